@@ -1,0 +1,22 @@
+"""fd-cudagraph-plugin: a faster, leaner CUDA-graph backend for FastDeploy 2.x.
+
+Install with pip and set ``FD_PLUGINS=fd_cudagraph_plugin``. Importing this package is cheap and
+does no CUDA work; Paddle is imported only when the backend is first used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["CudaGraphBackend", "register", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "CudaGraphBackend":
+        from fd_cudagraph_plugin.backend import CudaGraphBackend
+
+        return CudaGraphBackend
+    if name == "register":
+        from fd_cudagraph_plugin.plugin import register
+
+        return register
+    raise AttributeError(name)

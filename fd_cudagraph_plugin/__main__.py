@@ -1,0 +1,5 @@
+import sys
+
+from fd_cudagraph_plugin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,389 @@
+"""The drop-in replacement for FastDeploy's ``CudaGraphPiecewiseBackend``.
+
+``GraphOptBackend`` builds one instance per decorated backbone (target model and MTP draft each
+have one) on the first forward with CUDA graphs on, and calls it with the model's keyword
+arguments, ``forward_meta`` among them. Dispatch:
+
+* a decode step pads its token count through a precomputed table to a captured size and replays
+  that graph (the hot path: a few attribute reads, one list index, ``replay()``);
+* the first call at an exact capture size warms up eagerly, then captures inside the custom
+  all-reduce capture context, then replays;
+* anything without a graph (0 tokens, larger than the largest size, a padded size never captured)
+  runs eagerly through ``dy_runnable``, counted and warned about once per shape.
+
+Graph outputs are the tensors the captured run returned. They live in graph memory, the same
+objects come back on every replay of that size, and the next replay overwrites them: FastDeploy's
+runner slices ``[:real_token_num]`` straight away, as it does with the native backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from fd_cudagraph_plugin import allreduce
+from fd_cudagraph_plugin.errors import (
+    CaptureError,
+    CaptureIncompleteError,
+    CaptureOrderError,
+    ConfigError,
+)
+from fd_cudagraph_plugin.runtime import Graph, GraphRuntime, get_runtime
+from fd_cudagraph_plugin.settings import Settings
+
+logger = logging.getLogger("fd_cudagraph_plugin")
+
+DECODE = "decode"
+PREFILL = "prefill"
+
+_OOM_ADVICE = (
+    "lower --max-num-seqs or --gpu-memory-utilization, or trim cudagraph_capture_sizes in "
+    "--graph-optimization-config"
+)
+
+
+class GraphEntry:
+    """One capture size of one phase: its graph, its outputs and its counters."""
+
+    __slots__ = (
+        "size",
+        "phase",
+        "graph",
+        "result",
+        "static_captured",
+        "capture_seconds",
+        "graph_bytes",
+        "replays",
+    )
+
+    def __init__(self, size: int, phase: str) -> None:
+        self.size = size
+        self.phase = phase
+        #: The runtime graph of a dynamic capture; None until captured (and for static entries).
+        self.graph: Graph | None = None
+        #: The captured run's return value, structure kept: a tensor or a list with Nones.
+        self.result: Any = None
+        #: Paddle-managed (dy2st) capture done for this size.
+        self.static_captured = False
+        self.capture_seconds = 0.0
+        self.graph_bytes = 0
+        #: Replays dispatched outside the fast path (the fast path counts per token count).
+        self.replays = 0
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None or self.static_captured
+
+
+class CudaGraphBackend:
+    """Capture and replay CUDA graphs for one decorated FastDeploy backbone.
+
+    Accepts FastDeploy 2.5+/develop ``(fd_config, dy_runnable, runnable)`` and 2.4
+    ``(fd_config, runnable)``, by keyword. ``runtime`` is for tests and tools; FastDeploy never
+    passes it, and the runtime then comes from ``FD_CUDAGRAPH_RUNTIME``.
+    """
+
+    def __init__(
+        self,
+        fd_config: Any,
+        dy_runnable: Callable | None = None,
+        runnable: Callable | None = None,
+        *,
+        runtime: GraphRuntime | None = None,
+    ) -> None:
+        if runnable is None and dy_runnable is None:
+            raise ConfigError(
+                "CudaGraphBackend needs runnable= (and dy_runnable= on FastDeploy 2.5+)."
+            )
+        self.fd_config = fd_config
+        self.dy_runnable = dy_runnable if dy_runnable is not None else runnable
+        self.runnable = runnable if runnable is not None else dy_runnable
+        self.settings = settings = Settings.from_fd_config(fd_config)
+        self.runtime = runtime if runtime is not None else get_runtime(settings.options.runtime)
+        self.pool = self.runtime.new_pool() if settings.use_unique_memory_pool else None
+        self._static = None
+        if settings.dy2st:
+            from fd_cudagraph_plugin.static import StaticGraphDriver
+
+            self._static = StaticGraphDriver()
+        self._max_size = settings.max_size
+        self._decode_table = settings.decode_table
+        self._hits = [0] * (self._max_size + 1)
+        self._fallbacks: Counter[str] = Counter()
+        self._slow_padded = 0
+        self._warned: set[tuple[str, int]] = set()
+        self.captures = 0
+        self._reset_entries()
+        if settings.padding_disagreements:
+            tokens, theirs, ours = settings.padding_disagreements[0]
+            logger.warning(
+                "FastDeploy's real_shape_to_captured_size disagrees with cudagraph_capture_sizes "
+                "at %d token counts (e.g. %d -> %d, but %d is not captured; using %d). This is "
+                "expected after filter_capture_size; the plugin pads from the size list itself.",
+                len(settings.padding_disagreements),
+                tokens,
+                theirs,
+                theirs,
+                ours,
+            )
+
+    # ------------------------------------------------------------------ entries and tables
+
+    def _reset_entries(self) -> None:
+        settings = self.settings
+        self.decode_entries = {size: GraphEntry(size, DECODE) for size in settings.capture_sizes}
+        self.prefill_entries = {size: GraphEntry(size, PREFILL) for size in settings.prefill_sizes}
+        # Index = token count, value = the entry of its padded size. Index 0 is an entry that
+        # never gets a graph, so a 0-token step (PD decode nodes, FastDeploy #3888) goes eager.
+        self._zero_entry = GraphEntry(0, DECODE)
+        self._decode_by_tokens = [
+            self.decode_entries[size] if size else self._zero_entry
+            for size in settings.decode_table
+        ]
+        # The fast path serves plain decode keyed by token count. Speculative decoding keys graphs
+        # by running requests, so its fast table holds only the never-captured sentinel.
+        self._fast_table = (
+            [self._zero_entry] * len(self._decode_by_tokens)
+            if settings.speculative
+            else self._decode_by_tokens
+        )
+        self._prefill_by_tokens = [
+            self.prefill_entries[size] if size else None for size in settings.prefill_table
+        ]
+        self._capture_plan = list(settings.capture_sizes)
+        self._next_capture = 0
+
+    @property
+    def cudagraph_capture_sizes(self) -> list[int]:
+        return list(self.settings.capture_sizes)
+
+    @property
+    def concrete_size_entries(self) -> dict[tuple[int, bool], GraphEntry]:
+        """Entries keyed like FastDeploy's, ``(size, is_static_prefill)``, for debugging."""
+        entries = {(s, False): e for s, e in self.decode_entries.items()}
+        entries.update({(s, True): e for s, e in self.prefill_entries.items()})
+        return entries
+
+    # ------------------------------------------------------------------ dispatch
+
+    def __call__(self, **kwargs: Any) -> Any:
+        meta = kwargs["forward_meta"]
+        tokens = meta.ids_remove_padding.shape[0]
+        if tokens <= self._max_size and not meta.exist_prefill:
+            entry = self._fast_table[tokens]
+            graph = entry.graph
+            if graph is not None:
+                self._hits[tokens] += 1
+                graph.replay()
+                return entry.result
+        return self._dispatch(kwargs, meta)
+
+    def _dispatch(self, kwargs: dict, meta: Any) -> Any:
+        settings = self.settings
+        tokens = meta.ids_remove_padding.shape[0]
+        if meta.exist_prefill:
+            if settings.static_split and 0 < tokens < len(self._prefill_by_tokens):
+                entry = self._prefill_by_tokens[tokens]
+                exact = entry.size == tokens
+                return self._run_static(entry, tokens, kwargs, exact=exact, decode=False)
+            return self._eager("prefill", tokens, kwargs)
+
+        entry, exact = None, False
+        if settings.speculative:
+            size = self._speculative_size(meta)
+            if size:
+                # The bsz map already names a captured token size; capture on first arrival.
+                entry, exact = self.decode_entries[size], True
+        if entry is None:
+            if tokens == 0:
+                return self._eager("zero_tokens", tokens, kwargs)
+            if tokens > self._max_size:
+                return self._eager("oversized", tokens, kwargs)
+            entry = self._decode_by_tokens[tokens]
+            exact = entry.size == tokens
+
+        if settings.static_full:
+            return self._run_static(entry, tokens, kwargs, exact=exact, decode=True)
+        if entry.graph is None:
+            if not exact:
+                return self._eager("not_captured", tokens, kwargs)
+            self._capture(entry, kwargs)
+        return self._replay(entry, tokens)
+
+    def _speculative_size(self, meta: Any) -> int:
+        table = self.settings.bsz_table
+        running = meta.real_bsz or 0
+        if running <= 0:
+            seq_lens = meta.seq_lens_this_time
+            running = int((seq_lens.flatten() > 0).sum()) if seq_lens is not None else 0
+        running = max(1, running)
+        return table[running] if running < len(table) else 0
+
+    def _replay(self, entry: GraphEntry, tokens: int) -> Any:
+        entry.graph.replay()
+        entry.replays += 1
+        self._slow_padded += max(entry.size - tokens, 0)
+        return entry.result
+
+    def _eager(self, reason: str, tokens: int, kwargs: dict) -> Any:
+        self._fallbacks[reason] += 1
+        if reason != "prefill" and (reason, tokens) not in self._warned:
+            self._warned.add((reason, tokens))
+            logger.warning(
+                "CUDA graph backend %#x: %d tokens ran eagerly (%s); largest captured size is %d. "
+                "Further steps of this shape are counted in stats() without another warning.",
+                id(self),
+                tokens,
+                reason.replace("_", " "),
+                self._max_size,
+            )
+        return self.dy_runnable(**kwargs)
+
+    # ------------------------------------------------------------------ capture
+
+    def _check_order(self, size: int) -> None:
+        """Every TP rank must capture the same sizes in the same order (see allreduce.py)."""
+        if _is_xpu():
+            return
+        plan = self._capture_plan
+        if self._next_capture >= len(plan):
+            raise CaptureOrderError(
+                f"CUDA graph capture of size {size} after all {len(plan)} planned captures "
+                f"({plan}) were done. A capture outside capture_model() can hang tensor-parallel "
+                f"ranks; check what calls the model with step_use_cudagraph=True after capture."
+            )
+        expected = plan[self._next_capture]
+        if size != expected:
+            raise CaptureOrderError(
+                f"CUDA graph capture order: expected size {expected} (capture #{self._next_capture}"
+                f" of plan {plan}), got {size}. FastDeploy's capture_model() captures largest "
+                f"first; check that cudagraph_capture_sizes and the dummy-run batch sizes agree on "
+                f"every rank."
+            )
+
+    def _warm_up(self, runnable: Callable, kwargs: dict) -> None:
+        for _ in range(self.settings.num_warmups):
+            runnable(**kwargs)
+
+    def _capture(self, entry: GraphEntry, kwargs: dict) -> None:
+        self._check_order(entry.size)
+        runnable = self.dy_runnable
+        started = time.perf_counter()
+        before = self.runtime.pool_bytes(self.pool)
+        try:
+            self._warm_up(runnable, kwargs)
+            self.runtime.synchronize()
+            with allreduce.capture_context():
+                graph, result = self.runtime.capture(lambda: runnable(**kwargs), self.pool)
+        except Exception as error:
+            raise self._capture_error(entry, "dynamic", error) from error
+        entry.graph, entry.result = graph, result
+        entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
+        entry.capture_seconds = time.perf_counter() - started
+        self._next_capture += 1
+        self.captures += 1
+        logger.debug(
+            "captured %s graph of size %d in %.3f s", entry.phase, entry.size, entry.capture_seconds
+        )
+
+    def _run_static(
+        self, entry: GraphEntry, tokens: int, kwargs: dict, *, exact: bool, decode: bool
+    ) -> Any:
+        """Paddle-managed graphs: capture at an exact size, replay after, DISABLE otherwise."""
+        driver = self._static
+        if not entry.static_captured:
+            if not exact:
+                # The driver turns REPLAY of an uncaptured key into DISABLE: a plain static run.
+                self._fallbacks["not_captured"] += 1
+                return driver.replay(self.runnable, kwargs, entry.size)
+            if decode:
+                self._check_order(entry.size)
+            started = time.perf_counter()
+            try:
+                self._warm_up(self.runnable, kwargs)
+                with allreduce.capture_context():
+                    driver.capture(self.runnable, kwargs, entry.size)
+            except Exception as error:
+                raise self._capture_error(entry, "static", error) from error
+            entry.static_captured = True
+            entry.capture_seconds = time.perf_counter() - started
+            if decode:
+                self._next_capture += 1
+            self.captures += 1
+        entry.replays += 1
+        self._slow_padded += max(entry.size - tokens, 0)
+        return driver.replay(self.runnable, kwargs, entry.size)
+
+    def _capture_error(self, entry: GraphEntry, mode: str, error: Exception) -> CaptureError:
+        return CaptureError(
+            f"CUDA graph capture failed for {entry.phase} size {entry.size} ({mode} mode, "
+            f"graph_opt_level={self.settings.graph_opt_level}, "
+            f"full_cuda_graph={self.settings.full_cuda_graph}): {type(error).__name__}: {error}. "
+            f"The size stays uncaptured and the next call retries it. If this is out of memory, "
+            f"{_OOM_ADVICE}."
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def clear_graph(self) -> None:
+        """Release every graph and output buffer so the next ``capture_model()`` starts afresh.
+
+        FastDeploy calls this for an RL weight update and for ``/v1/sleep``. Clearing twice, or
+        before any capture, is harmless.
+        """
+        allreduce.clear_ipc_handles()
+        for entry in (*self.decode_entries.values(), *self.prefill_entries.values()):
+            if entry.graph is not None:
+                entry.graph.release()
+        if self._static is not None:
+            self._static.forget()
+        self._reset_entries()
+        self.runtime.empty_cache()
+
+    def check_capture_successful(self) -> None:
+        """Raise if a size that this mode captures has no graph yet."""
+        missing = [(DECODE, s) for s, e in self.decode_entries.items() if not e.captured]
+        if self.settings.static_split:
+            missing += [(PREFILL, s) for s, e in self.prefill_entries.items() if not e.captured]
+        if missing:
+            names = ", ".join(f"{phase} {size}" for phase, size in missing)
+            raise CaptureIncompleteError(
+                f"CUDA graph backend {id(self):#x}: no graph for {names}. Run capture_model() "
+                f"(and capture_model_prefill_and_mixed() in static split mode) before serving."
+            )
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction, as plain data."""
+        replays: Counter[int] = Counter()
+        padded: Counter[int] = Counter()
+        for tokens, hits in enumerate(self._hits):
+            if hits:
+                size = self._decode_table[tokens]
+                replays[size] += hits
+                padded[size] += hits * (size - tokens)
+        for entry in (*self.decode_entries.values(), *self.prefill_entries.values()):
+            replays[entry.size] += entry.replays
+        return {
+            "captures": self.captures,
+            "replays": {size: n for size, n in sorted(replays.items()) if n},
+            "eager_fallbacks": dict(self._fallbacks),
+            "padded_tokens": sum(padded.values()) + self._slow_padded,
+            "padded_tokens_per_size": {size: n for size, n in sorted(padded.items()) if n},
+            "capture_seconds": {
+                s: e.capture_seconds for s, e in self.decode_entries.items() if e.captured
+            },
+            "graph_bytes": {s: e.graph_bytes for s, e in self.decode_entries.items() if e.captured},
+        }
+
+
+def _is_xpu() -> bool:
+    try:
+        from fastdeploy.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_xpu())

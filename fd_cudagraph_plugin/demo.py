@@ -1,0 +1,235 @@
+"""``fd-cudagraph demo``: capture and serve a small decoder through the backend, on any machine.
+
+It does what FastDeploy's worker does with the backend, in miniature: persistent input buffers
+updated in place, a FastDeploy-shaped config, capture of every size largest first, then a stream
+of decode steps of varying token counts, each routed the way ``GraphOptBackend`` routes it. Every
+step's output is checked against an eager run of the same inputs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from fd_cudagraph_plugin.sizes import padding_table
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32)
+
+
+@dataclass
+class DemoMeta:
+    """The ``ForwardMeta`` fields the backend reads (FastDeploy's own class when installed)."""
+
+    ids_remove_padding: Any
+    step_use_cudagraph: bool = True
+    exist_prefill: bool = False
+    real_bsz: int = 0
+    seq_lens_this_time: Any = None
+
+
+@dataclass
+class DemoReport:
+    runtime: str
+    real_graphs: bool
+    sizes: list[int]
+    steps: int = 0
+    mismatches: int = 0
+    eager_above_max: int = 0
+    graph_seconds: float = 0.0
+    eager_seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+
+def build_model(vocab: int = 512, hidden: int = 64, layers: int = 4):
+    import paddle
+
+    class TinyDecoder(paddle.nn.Layer):
+        """Token-wise residual blocks: padded rows never change real rows, as in FastDeploy."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = paddle.nn.Embedding(vocab, hidden)
+            self.blocks = paddle.nn.LayerList(
+                [
+                    paddle.nn.Sequential(
+                        paddle.nn.LayerNorm(hidden),
+                        paddle.nn.Linear(hidden, 2 * hidden),
+                        paddle.nn.GELU(),
+                        paddle.nn.Linear(2 * hidden, hidden),
+                    )
+                    for _ in range(layers)
+                ]
+            )
+            self.norm = paddle.nn.LayerNorm(hidden)
+
+        def forward(self, ids_remove_padding, forward_meta):
+            hidden_states = self.embed(ids_remove_padding)
+            for block in self.blocks:
+                hidden_states = hidden_states + block(hidden_states)
+            return self.norm(hidden_states)
+
+    paddle.seed(0)
+    model = TinyDecoder()
+    model.eval()
+    return model
+
+
+def build_fd_config(sizes: list[int], max_num_seqs: int, warmups: int = 2) -> Any:
+    """FastDeploy's ``FDConfig`` when it is installed, else an object with the same fields."""
+    try:
+        from fastdeploy.config import (
+            CacheConfig,
+            FDConfig,
+            GraphOptimizationConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            SpeculativeConfig,
+        )
+    except ImportError:
+        descending = sorted(set(sizes), reverse=True)
+        table = padding_table(descending)
+        graph = SimpleNamespace(
+            use_cudagraph=True,
+            graph_opt_level=0,
+            full_cuda_graph=True,
+            cudagraph_capture_sizes=descending,
+            cudagraph_capture_sizes_prefill=[],
+            cudagraph_num_of_warmups=warmups,
+            real_shape_to_captured_size={n: table[n] for n in range(len(table))},
+            real_bsz_to_captured_size={},
+            use_unique_memory_pool=True,
+            cudagraph_only_prefill=False,
+            max_capture_shape_prefill=512,
+        )
+        return SimpleNamespace(
+            graph_opt_config=graph,
+            speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=1, disable_custom_all_reduce=False
+            ),
+        )
+    graph = GraphOptimizationConfig(
+        {
+            "use_cudagraph": True,
+            "cudagraph_capture_sizes": list(sizes),
+            "cudagraph_num_of_warmups": warmups,
+        }
+    )
+    return FDConfig(
+        graph_opt_config=graph,
+        scheduler_config=SchedulerConfig({"max_num_seqs": max_num_seqs}),
+        cache_config=CacheConfig({}),
+        parallel_config=ParallelConfig({}),
+        speculative_config=SpeculativeConfig({}),
+        test_mode=True,
+    )
+
+
+def _meta_class():
+    try:
+        from fastdeploy.model_executor.forward_meta import ForwardMeta
+    except ImportError:
+        return DemoMeta
+    return ForwardMeta
+
+
+def run_demo(
+    sizes: list[int] | None = None, steps: int = 200, seed: int = 0, runtime_name: str | None = None
+) -> DemoReport:
+    import paddle
+
+    from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.runtime import make_runtime
+
+    sizes = sorted(set(sizes or DEFAULT_SIZES), reverse=True)
+    if runtime_name is None:
+        runtime_name = "cuda" if paddle.is_compiled_with_cuda() else "simulated"
+    runtime = make_runtime(runtime_name)
+    max_size = sizes[0]
+    fd_config = build_fd_config(sizes, max_num_seqs=max_size)
+    model = build_model()
+    backend = CudaGraphBackend(
+        fd_config=fd_config, dy_runnable=model.forward, runnable=model.forward, runtime=runtime
+    )
+    meta_class = _meta_class()
+    rng = random.Random(seed)
+    # Persistent buffer, as FastDeploy's share_inputs: every step writes into it in place and
+    # passes a view of its head, so a captured graph keeps reading the right memory.
+    ids_buffer = paddle.zeros([max_size * 2], dtype="int64")
+    report = DemoReport(runtime.name, runtime.real_graphs, sizes)
+
+    def step(tokens: int) -> Any:
+        fresh = paddle.to_tensor([rng.randrange(512) for _ in range(tokens)], dtype="int64")
+        if tokens:
+            ids_buffer[:tokens] = fresh
+        ids = ids_buffer[:tokens]
+        meta = meta_class(ids_remove_padding=ids, step_use_cudagraph=tokens > 0)
+        kwargs = {"ids_remove_padding": ids, "forward_meta": meta}
+        # GraphOptBackend's routing for a decode step (FastDeploy graph_optimization_backend).
+        if not meta.step_use_cudagraph or tokens > max_size:
+            report.eager_above_max += tokens > max_size
+            return model.forward(**kwargs), kwargs
+        return backend(**kwargs), kwargs
+
+    with paddle.no_grad():
+        for size in sizes:  # capture_model(): largest first, exact sizes
+            step(size)
+        for _ in range(steps):
+            tokens = rng.choice(
+                [rng.randint(1, max_size)] * 9 + [rng.randint(max_size + 1, 2 * max_size)]
+            )
+            started = time.perf_counter()
+            out, kwargs = step(tokens)
+            out = out[:tokens]
+            runtime.synchronize()
+            report.graph_seconds += time.perf_counter() - started
+            started = time.perf_counter()
+            expected = model.forward(**kwargs)
+            runtime.synchronize()
+            report.eager_seconds += time.perf_counter() - started
+            report.steps += 1
+            if not bool(paddle.allclose(out, expected, rtol=1e-5, atol=1e-5)):
+                report.mismatches += 1
+    report.stats = backend.stats()
+    backend.clear_graph()
+    return report
+
+
+def format_report(report: DemoReport) -> str:
+    lines = []
+    if report.real_graphs:
+        lines.append(f"runtime: {report.runtime} (real CUDA graphs)")
+    else:
+        lines.append(
+            f"runtime: {report.runtime} -- this Paddle has no CUDA, so graphs run on the simulated "
+            "runtime (CUDA-graph replay semantics on the CPU); step times are not GPU figures"
+        )
+    stats = report.stats
+    lines.append(f"captured sizes: {', '.join(map(str, sorted(report.sizes)))}")
+    lines.append(f"{'size':>6} {'replays':>8} {'padded tokens':>14}")
+    for size in sorted(report.sizes):
+        replays = stats["replays"].get(size, 0)
+        padded = stats["padded_tokens_per_size"].get(size, 0)
+        lines.append(f"{size:>6} {replays:>8} {padded:>14}")
+    fallbacks = sum(stats["eager_fallbacks"].values()) + report.eager_above_max
+    lines.append(
+        f"steps {report.steps}, eager fallbacks {fallbacks} "
+        f"(above largest size {report.eager_above_max}, in backend {stats['eager_fallbacks']}), "
+        f"padded tokens {stats['padded_tokens']}"
+    )
+    if report.real_graphs:
+        lines.append(
+            f"step time: graph {report.graph_seconds / max(report.steps, 1) * 1e3:.3f} ms, "
+            f"eager {report.eager_seconds / max(report.steps, 1) * 1e3:.3f} ms"
+        )
+    else:
+        lines.append("step time: not measured (simulated runtime)")
+    verdict = "OK" if report.mismatches == 0 else "MISMATCH"
+    lines.append(
+        f"replay vs eager: {report.mismatches} mismatches in {report.steps} steps -- {verdict}"
+    )
+    return "\n".join(lines)

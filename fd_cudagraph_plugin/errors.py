@@ -1,0 +1,30 @@
+"""The package's exceptions. Each one carries what an operator needs to act on it."""
+
+from __future__ import annotations
+
+
+class CudaGraphPluginError(Exception):
+    """Base class of every error fd-cudagraph-plugin raises on purpose."""
+
+
+class ConfigError(CudaGraphPluginError, ValueError):
+    """A setting (FastDeploy config field or ``FD_CUDAGRAPH_*`` variable) has a bad value."""
+
+
+class CaptureError(CudaGraphPluginError, RuntimeError):
+    """Warm-up or capture of one graph failed; the entry stays uncaptured and can be retried."""
+
+
+class CaptureIncompleteError(CudaGraphPluginError, ValueError):
+    """``check_capture_successful()`` found sizes that should have a graph and have none.
+
+    It is a ``ValueError`` because FastDeploy's own backend raises ``ValueError`` there.
+    """
+
+
+class CaptureOrderError(CudaGraphPluginError, RuntimeError):
+    """Graphs were captured in an order that differs from the plan every rank follows."""
+
+
+class RankMismatchError(CudaGraphPluginError, RuntimeError):
+    """Tensor-parallel ranks disagree about the capture plan; capturing would hang."""

@@ -1,0 +1,81 @@
+"""The one place that knows FastDeploy's internals: the entry point and the rebinding.
+
+FastDeploy calls ``register()`` through the ``fastdeploy.model_register_plugins`` entry point when
+``FD_PLUGINS`` names ``fd_cudagraph_plugin``, in every process that imports its models package
+(each worker included), before any model or backend exists. ``GraphOptBackend`` looks the backend
+class up as a global of ``graph_optimization_backend`` at its first call, so rebinding that global
+is enough; rebinding the class's home module alone would change nothing, because
+``graph_optimization_backend`` imported the name before plugins load.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from fd_cudagraph_plugin.options import read_option
+
+logger = logging.getLogger("fd_cudagraph_plugin")
+
+ENTRY_POINT_GROUP = "fastdeploy.model_register_plugins"
+ENTRY_POINT_NAME = "fd_cudagraph_plugin"
+_BACKEND_MODULE = "fastdeploy.model_executor.graph_optimization.graph_optimization_backend"
+_NATIVE_MODULE = "fastdeploy.model_executor.graph_optimization.cudagraph_piecewise_backend"
+_NAME = "CudaGraphPiecewiseBackend"
+
+_logged = False
+
+
+def register() -> None:
+    """Install the plugin's backend in FastDeploy. Idempotent; no CUDA work."""
+    global _logged
+    import importlib
+
+    choice = read_option("FD_CUDAGRAPH_BACKEND")
+    backend_module = importlib.import_module(_BACKEND_MODULE)
+    if choice == "native":
+        if not _logged:
+            _logged = True
+            logger.info(
+                "fd-cudagraph-plugin installed but FD_CUDAGRAPH_BACKEND=native: FastDeploy %s "
+                "keeps its own CUDA-graph backend.",
+                fastdeploy_version(),
+            )
+        return
+
+    from fd_cudagraph_plugin.backend import CudaGraphBackend
+
+    native = getattr(backend_module, _NAME, None)
+    if native is not CudaGraphBackend:
+        backend_module._fd_cudagraph_native_backend = native
+        setattr(backend_module, _NAME, CudaGraphBackend)
+        native_module = importlib.import_module(_NATIVE_MODULE)
+        setattr(native_module, _NAME, CudaGraphBackend)
+    if not _logged:
+        _logged = True
+        from fd_cudagraph_plugin import __version__
+
+        logger.info(
+            "fd-cudagraph-plugin %s active: CUDA-graph backend replaced for FastDeploy %s "
+            "(constructor %s).",
+            __version__,
+            fastdeploy_version(),
+            constructor_shape(native),
+        )
+
+
+def fastdeploy_version() -> str:
+    try:
+        import fastdeploy
+    except ImportError:
+        return "(not installed)"
+    return str(getattr(fastdeploy, "__version__", "unknown"))
+
+
+def constructor_shape(cls: object) -> str:
+    """``(fd_config, dy_runnable, runnable)`` on 2.5+, ``(fd_config, runnable)`` on 2.4."""
+    try:
+        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    except (TypeError, ValueError):
+        return "unknown"
+    return "(" + ", ".join(params) + ")"

@@ -1,0 +1,76 @@
+"""Paddle CUDA graphs. The only module that touches ``paddle.device.cuda.graphs``.
+
+Not exercised on the CPU-only machines this project is tested on: everything above this seam is
+tested against ``simulated.py``. See the README's "verified where" table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import paddle
+
+from fd_cudagraph_plugin.errors import ConfigError
+
+
+class CudaGraph:
+    __slots__ = ("_graph",)
+
+    def __init__(self, graph: object) -> None:
+        self._graph = graph
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+    def release(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.reset()
+
+
+class CudaRuntime:
+    name = "cuda"
+    real_graphs = True
+
+    def __init__(self) -> None:
+        if not paddle.is_compiled_with_cuda():
+            raise ConfigError(
+                "FD_CUDAGRAPH_RUNTIME=cuda but this Paddle is not compiled with CUDA. Install "
+                "paddlepaddle-gpu, turn CUDA graphs off with --graph-optimization-config "
+                "'{\"use_cudagraph\": false}', or set FD_CUDAGRAPH_RUNTIME=simulated for a CPU "
+                "test."
+            )
+        from paddle.device.cuda import graphs
+
+        self._graphs = graphs
+
+    def new_pool(self) -> object:
+        return paddle.base.core.CUDAGraph.gen_new_memory_pool_id()
+
+    def capture(self, fn: Callable[[], object], pool: object) -> tuple[CudaGraph, object]:
+        graph = self._graphs.CUDAGraph(pool_id=pool)
+        paddle.device.synchronize()
+        graph.capture_begin()
+        try:
+            outputs = fn()
+        except BaseException:
+            # End the stream capture before anything else runs on it, then drop the graph.
+            try:
+                graph.capture_end()
+            finally:
+                graph.reset()
+            raise
+        graph.capture_end()
+        paddle.device.synchronize()
+        return CudaGraph(graph), outputs
+
+    def synchronize(self) -> None:
+        paddle.device.synchronize()
+
+    def empty_cache(self) -> None:
+        paddle.device.cuda.empty_cache()
+
+    def pool_bytes(self, pool: object) -> int:
+        # Paddle exposes no per-pool statistic; the allocator's total moves by exactly what a
+        # capture allocates, which is what the caller diffs.
+        return int(paddle.device.cuda.memory_allocated())

@@ -1,0 +1,116 @@
+"""A CPU runtime with CUDA-graph replay semantics, for tests and the demo.
+
+What it reproduces of a real CUDA graph, because the backend's correctness depends on it:
+
+* Replay re-executes the captured work on the tensors that were the inputs *at capture*. A new
+  tensor passed on a later call is never read, just as a real graph keeps reading the old address.
+  Persistent input buffers updated in place are therefore seen; swapped-in tensors are not.
+* Replay writes its results in place into the tensors captured as outputs; it allocates no new
+  output objects, so callers holding an output see it change on the next replay of that graph.
+* Memory: each capture charges its output bytes to its pool; a pool's bytes return only when its
+  last graph is released. Tests read ``live_graphs`` and ``pool_bytes`` to prove nothing leaks.
+
+It also lets tests inject a failure into the next capture, as an out-of-memory error would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import paddle
+
+
+def output_tensors(outputs: object) -> list[paddle.Tensor]:
+    """The tensors in a runnable's result: a tensor, or a list/tuple that may hold None."""
+    if isinstance(outputs, paddle.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for t in outputs if isinstance(t, paddle.Tensor)]
+    return []
+
+
+def _nbytes(tensor: paddle.Tensor) -> int:
+    return int(tensor.numel()) * tensor.element_size()
+
+
+class SimulatedGraph:
+    __slots__ = ("_runtime", "_fn", "_outputs", "_pool", "_bytes", "replays")
+
+    def __init__(self, runtime: SimulatedRuntime, fn, outputs, pool, nbytes: int) -> None:
+        self._runtime = runtime
+        self._fn = fn
+        self._outputs = outputs
+        self._pool = pool
+        self._bytes = nbytes
+        self.replays = 0
+
+    @property
+    def released(self) -> bool:
+        return self._fn is None
+
+    def replay(self) -> None:
+        if self._fn is None:
+            raise RuntimeError("replay of a released graph")
+        fresh = output_tensors(self._fn())
+        for target, value in zip(self._outputs, fresh, strict=True):
+            paddle.assign(value, output=target)
+        self.replays += 1
+
+    def release(self) -> None:
+        if self._fn is None:
+            return
+        self._fn = None
+        self._outputs = None
+        self._runtime._release(self._pool, self._bytes)
+
+
+class SimulatedRuntime:
+    name = "simulated"
+    real_graphs = False
+
+    def __init__(self) -> None:
+        self._pool_ids = itertools.count(1)
+        self._pool_bytes: dict[object, int] = {}
+        self._failures: list[BaseException] = []
+        self.live_graphs = 0
+        self.captures = 0
+        self.capturing = False
+        self.empty_cache_calls = 0
+
+    def fail_next_capture(self, error: BaseException) -> None:
+        """Make the next capture raise ``error`` after the captured work has run."""
+        self._failures.append(error)
+
+    def new_pool(self) -> object:
+        pool = ("simulated-pool", next(self._pool_ids))
+        self._pool_bytes[pool] = 0
+        return pool
+
+    def capture(self, fn: Callable[[], object], pool: object) -> tuple[SimulatedGraph, object]:
+        self.capturing = True
+        try:
+            outputs = fn()
+            if self._failures:
+                raise self._failures.pop(0)
+        finally:
+            self.capturing = False
+        tensors = output_tensors(outputs)
+        nbytes = sum(_nbytes(t) for t in tensors)
+        self._pool_bytes[pool] = self._pool_bytes.get(pool, 0) + nbytes
+        self.live_graphs += 1
+        self.captures += 1
+        return SimulatedGraph(self, fn, tensors, pool, nbytes), outputs
+
+    def _release(self, pool: object, nbytes: int) -> None:
+        self.live_graphs -= 1
+        self._pool_bytes[pool] -= nbytes
+
+    def synchronize(self) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        self.empty_cache_calls += 1
+
+    def pool_bytes(self, pool: object) -> int:
+        return self._pool_bytes.get(pool, 0)

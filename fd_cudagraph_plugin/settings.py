@@ -1,0 +1,243 @@
+"""A frozen, validated view of the FastDeploy config fields the backend uses, read once.
+
+FastDeploy's config objects are mutable and, across 2.4 .. develop, not all fields exist. Reading
+them once at construction gives the hot path plain attributes and gives the operator one error,
+naming the field, the value and the fix, instead of a ``KeyError`` in the middle of serving.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.options import PluginOptions
+from fd_cudagraph_plugin.sizes import padding_table, table_disagreements
+
+_GRAPH_CONFIG_FIX = "set it in --graph-optimization-config"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _size_list(name: str, value: object, *, required: bool) -> tuple[int, ...]:
+    if value is None and not required:
+        return ()
+    if not isinstance(value, (list, tuple)) or (required and not value):
+        raise ConfigError(
+            f"{name} must be a non-empty list of positive integers; got {value!r}. "
+            f'{_GRAPH_CONFIG_FIX}, e.g. "{name.split(".")[-1]}": [1, 2, 4, 8].'
+        )
+    bad = [v for v in value if not _is_int(v) or v <= 0]
+    if bad:
+        raise ConfigError(
+            f"{name} must be positive integers; got {list(value)!r} (bad: {bad!r}). "
+            f"Remove or correct those entries."
+        )
+    return tuple(sorted(set(value), reverse=True))
+
+
+def _count(name: str, value: object, *, minimum: int, fix: str) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}; got {value!r}. {fix}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false; got {value!r}. {_GRAPH_CONFIG_FIX}.")
+    return value
+
+
+def _method_name(method: object) -> str | None:
+    if method is None:
+        return None
+    # FastDeploy converts the method string to its SpecMethod enum; accept both.
+    raw = getattr(method, "value", method)
+    return str(raw).strip().lower() or None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the backend reads from ``fd_config`` and the environment."""
+
+    capture_sizes: tuple[int, ...]
+    prefill_sizes: tuple[int, ...]
+    num_warmups: int
+    graph_opt_level: int
+    full_cuda_graph: bool
+    only_prefill: bool
+    max_capture_shape_prefill: int
+    use_unique_memory_pool: bool
+    speculative_method: str | None
+    num_speculative_tokens: int
+    max_num_seqs: int
+    tp_size: int
+    tp_rank: int
+    custom_allreduce_disabled: bool
+    options: PluginOptions
+    decode_table: tuple[int, ...] = field(repr=False)
+    prefill_table: tuple[int, ...] = field(repr=False)
+    bsz_table: tuple[int, ...] = field(repr=False)
+    padding_disagreements: tuple[tuple[int, int, int], ...] = field(repr=False)
+
+    @property
+    def dy2st(self) -> bool:
+        return self.graph_opt_level > 0
+
+    @property
+    def static_split(self) -> bool:
+        return self.dy2st and not self.full_cuda_graph
+
+    @property
+    def static_full(self) -> bool:
+        return self.dy2st and self.full_cuda_graph
+
+    @property
+    def speculative(self) -> bool:
+        """True when the graph key is the running-request count (a non-empty bsz map)."""
+        return self.speculative_method is not None and any(self.bsz_table)
+
+    @property
+    def max_size(self) -> int:
+        return self.capture_sizes[0]
+
+    @classmethod
+    def from_fd_config(cls, fd_config: Any, environ: Mapping[str, str] | None = None) -> Settings:
+        options = PluginOptions.from_env(environ)
+        graph = getattr(fd_config, "graph_opt_config", None)
+        if graph is None:
+            raise ConfigError(
+                "fd_config.graph_opt_config is missing; the backend must be built by FastDeploy's "
+                "GraphOptBackend with a complete FDConfig."
+            )
+        sizes = _size_list(
+            "graph_opt_config.cudagraph_capture_sizes",
+            getattr(graph, "cudagraph_capture_sizes", None),
+            required=True,
+        )
+        prefill = _size_list(
+            "graph_opt_config.cudagraph_capture_sizes_prefill",
+            getattr(graph, "cudagraph_capture_sizes_prefill", None),
+            required=False,
+        )
+        warmups = _count(
+            "graph_opt_config.cudagraph_num_of_warmups",
+            getattr(graph, "cudagraph_num_of_warmups", 2),
+            minimum=0,
+            fix=f"Use 0 or more; FastDeploy's default is 2. {_GRAPH_CONFIG_FIX}.",
+        )
+        level = getattr(graph, "graph_opt_level", 0)
+        if level not in (0, 1, 2) or not _is_int(level):
+            raise ConfigError(
+                f"graph_opt_config.graph_opt_level must be 0, 1 or 2; got {level!r}. "
+                f"{_GRAPH_CONFIG_FIX}."
+            )
+        max_prefill = _count(
+            "graph_opt_config.max_capture_shape_prefill",
+            getattr(graph, "max_capture_shape_prefill", max(prefill, default=1)),
+            minimum=1,
+            fix=f"{_GRAPH_CONFIG_FIX}.",
+        )
+
+        spec = getattr(fd_config, "speculative_config", None)
+        method = _method_name(getattr(spec, "method", None))
+        k = 0
+        if method is not None and method != "naive":
+            k = _count(
+                "speculative_config.num_speculative_tokens",
+                getattr(spec, "num_speculative_tokens", 0),
+                minimum=0,
+                fix="Set it in --speculative-config.",
+            )
+
+        scheduler = getattr(fd_config, "scheduler_config", None)
+        max_num_seqs = _count(
+            "scheduler_config.max_num_seqs",
+            getattr(scheduler, "max_num_seqs", sizes[0]),
+            minimum=1,
+            fix="Pass --max-num-seqs with a positive value.",
+        )
+        parallel = getattr(fd_config, "parallel_config", None)
+        tp_size = _count(
+            "parallel_config.tensor_parallel_size",
+            getattr(parallel, "tensor_parallel_size", 1),
+            minimum=1,
+            fix="Pass --tensor-parallel-size with a positive value.",
+        )
+        tp_rank = getattr(parallel, "tensor_parallel_rank", 0)
+        tp_rank = tp_rank if _is_int(tp_rank) and tp_rank >= 0 else 0
+
+        decode_table = padding_table(sizes)
+        bsz_table = _bsz_table(getattr(graph, "real_bsz_to_captured_size", None), decode_table)
+        return cls(
+            capture_sizes=sizes,
+            prefill_sizes=prefill,
+            num_warmups=warmups,
+            graph_opt_level=level,
+            full_cuda_graph=_flag(
+                "graph_opt_config.full_cuda_graph", getattr(graph, "full_cuda_graph", True)
+            ),
+            only_prefill=_flag(
+                "graph_opt_config.cudagraph_only_prefill",
+                getattr(graph, "cudagraph_only_prefill", False),
+            ),
+            max_capture_shape_prefill=max_prefill,
+            use_unique_memory_pool=_flag(
+                "graph_opt_config.use_unique_memory_pool",
+                getattr(graph, "use_unique_memory_pool", True),
+            ),
+            speculative_method=method,
+            num_speculative_tokens=k,
+            max_num_seqs=max_num_seqs,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            custom_allreduce_disabled=bool(getattr(parallel, "disable_custom_all_reduce", False)),
+            options=options,
+            decode_table=tuple(decode_table),
+            prefill_table=tuple(padding_table(prefill)),
+            bsz_table=tuple(bsz_table),
+            padding_disagreements=tuple(
+                table_disagreements(
+                    decode_table, getattr(graph, "real_shape_to_captured_size", None)
+                )
+            ),
+        )
+
+
+def _bsz_table(mapping: object, decode_table: list[int]) -> list[int]:
+    """Index = running requests, value = captured token size (0 where none fits).
+
+    Values are re-padded through the decode table, so a size removed by ``filter_capture_size``
+    moves up to the next captured size instead of naming a graph that does not exist.
+    """
+    if not mapping:
+        return []
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(
+            "graph_opt_config.real_bsz_to_captured_size must be a dict; "
+            f"got {reprlib.repr(mapping)}. Leave the map to FastDeploy; it computes it."
+        )
+    pairs = []
+    for raw_key, raw_value in mapping.items():
+        try:
+            bsz, size = int(raw_key), int(raw_value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"graph_opt_config.real_bsz_to_captured_size has a non-integer entry "
+                f"{raw_key!r}: {raw_value!r} in {reprlib.repr(mapping)}. Leave the map to "
+                "FastDeploy; it computes it."
+            ) from None
+        if bsz < 0 or size < 0:
+            raise ConfigError(
+                f"graph_opt_config.real_bsz_to_captured_size has a negative entry {bsz}: {size} "
+                f"in {reprlib.repr(mapping)}. Leave the map to FastDeploy; it computes it."
+            )
+        pairs.append((bsz, size))
+    table = [0] * (max(b for b, _ in pairs) + 1)
+    for bsz, size in pairs:
+        table[bsz] = decode_table[size] if size < len(decode_table) else 0
+    return table

@@ -1,0 +1,28 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fd-cudagraph-plugin",
+    version="0.1.0",
+    description="A faster, leaner CUDA-graph backend for FastDeploy 2.x, loaded as a plugin",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fd_cudagraph_plugin", "fd_cudagraph_plugin.*"]),
+    # No Paddle and no FastDeploy here: FastDeploy users already have paddlepaddle-gpu from
+    # Paddle's own index, and pip must never replace it with a CPU wheel. (The PyPI project
+    # named "fastdeploy" is unrelated to PaddlePaddle's FastDeploy.)
+    install_requires=["tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-mock", "paddlepaddle==3.3.1", "ruff"],
+        "demo": ["paddlepaddle==3.3.1"],
+    },
+    entry_points={
+        "fastdeploy.model_register_plugins": [
+            "fd_cudagraph_plugin = fd_cudagraph_plugin.plugin:register",
+        ],
+        "console_scripts": ["fd-cudagraph = fd_cudagraph_plugin.cli:main"],
+    },
+)

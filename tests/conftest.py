@@ -1,0 +1,145 @@
+"""Fixtures: the stand-in ``fastdeploy`` package, the simulated runtime, configs and models."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
+if str(STUB) not in sys.path:
+    sys.path.insert(0, str(STUB))
+
+import paddle  # noqa: E402
+from fastdeploy.config import (  # noqa: E402
+    CacheConfig,
+    FDConfig,
+    GraphOptimizationConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from fastdeploy.distributed import communication  # noqa: E402
+from fastdeploy.distributed.custom_all_reduce import RecordingCustomAllreduce  # noqa: E402
+from fastdeploy.model_executor.forward_meta import ForwardMeta  # noqa: E402
+from fastdeploy.model_executor.graph_optimization import (  # noqa: E402
+    cudagraph_piecewise_backend,
+    graph_optimization_backend,
+)
+from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E402
+    support_graph_optimization,
+)
+
+from fd_cudagraph_plugin import plugin, runtime  # noqa: E402
+from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime  # noqa: E402
+
+HIDDEN = 8
+VOCAB = 32
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment(monkeypatch):
+    """Every test starts with FastDeploy's native backend bound and no plugin options set."""
+    for name in list(__import__("os").environ):
+        if name.startswith("FD_CUDAGRAPH_") or name == "FD_PLUGINS":
+            monkeypatch.delenv(name)
+    native = cudagraph_piecewise_backend.CudaGraphPiecewiseBackend
+    saved_runtimes = dict(runtime._RUNTIMES)
+    saved_tp_ar = communication._TP_AR
+    yield
+    graph_optimization_backend.CudaGraphPiecewiseBackend = native
+    cudagraph_piecewise_backend.CudaGraphPiecewiseBackend = native
+    graph_optimization_backend.LEGACY_TWO_ARG = False
+    runtime._RUNTIMES.clear()
+    runtime._RUNTIMES.update(saved_runtimes)
+    communication._TP_AR = saved_tp_ar
+    plugin._logged = False
+
+
+@pytest.fixture
+def sim(monkeypatch) -> SimulatedRuntime:
+    """A fresh simulated runtime, chosen the way an operator would: FD_CUDAGRAPH_RUNTIME."""
+    monkeypatch.setenv("FD_CUDAGRAPH_RUNTIME", "simulated")
+    fresh = SimulatedRuntime()
+    runtime.install_runtime(fresh)
+    return fresh
+
+
+@pytest.fixture
+def recording_ar() -> RecordingCustomAllreduce:
+    ar = RecordingCustomAllreduce()
+    communication._TP_AR = ar
+    return ar
+
+
+@pytest.fixture
+def plugin_registered(sim):
+    """The plugin's backend bound in FastDeploy, as register() leaves it."""
+    plugin.register()
+    return sim
+
+
+def make_config(
+    max_num_seqs: int = 8,
+    *,
+    speculative: dict | None = None,
+    tp: int = 1,
+    sequence_parallel_moe: bool = False,
+    **graph_args,
+) -> FDConfig:
+    graph = {"use_cudagraph": True, **graph_args}
+    parallel = {"tensor_parallel_size": tp, "use_sequence_parallel_moe": sequence_parallel_moe}
+    return FDConfig(
+        graph_opt_config=GraphOptimizationConfig(graph),
+        scheduler_config=SchedulerConfig({"max_num_seqs": max_num_seqs}),
+        cache_config=CacheConfig({}),
+        parallel_config=ParallelConfig(parallel),
+        speculative_config=SpeculativeConfig(speculative or {}),
+        test_mode=True,
+    )
+
+
+class TinyBackbone(paddle.nn.Layer):
+    """A token-wise decoder stand-in. ``outputs`` picks the structure it returns."""
+
+    def __init__(self, fd_config=None, outputs: str = "tensor") -> None:
+        super().__init__()
+        paddle.seed(7)
+        self.embed = paddle.nn.Embedding(VOCAB, HIDDEN)
+        self.proj = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.outputs = outputs
+        self.calls = 0
+
+    def forward(self, ids_remove_padding, forward_meta):
+        self.calls += 1
+        hidden = paddle.tanh(self.proj(self.embed(ids_remove_padding)))
+        if self.outputs == "list_with_none":
+            return [hidden, None, hidden * 2.0]
+        if self.outputs == "single_list":
+            return [hidden]
+        return hidden
+
+
+@support_graph_optimization
+class DecoratedBackbone(TinyBackbone):
+    """The same backbone behind FastDeploy's ``@support_graph_optimization``."""
+
+
+def meta_for(ids, **fields) -> ForwardMeta:
+    fields.setdefault("step_use_cudagraph", True)
+    return ForwardMeta(ids_remove_padding=ids, **fields)
+
+
+class Buffers:
+    """Persistent input buffer, as FastDeploy's ``share_inputs``: written in place, viewed."""
+
+    def __init__(self, length: int = 1024) -> None:
+        self.ids = paddle.zeros([length], dtype="int64")
+
+    def step(self, tokens: int, seed: int = 0) -> dict:
+        if tokens:
+            values = (paddle.arange(tokens, dtype="int64") * 7 + seed) % VOCAB
+            self.ids[:tokens] = values
+        view = self.ids[:tokens]
+        return {"ids_remove_padding": view, "forward_meta": meta_for(view)}

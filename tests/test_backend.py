@@ -1,0 +1,190 @@
+"""Dynamic-mode dispatch: padding, capture, replay, fallbacks, lifecycle (simulated runtime)."""
+
+from __future__ import annotations
+
+import logging
+
+import paddle
+import pytest
+from conftest import Buffers, TinyBackbone, make_config, meta_for
+
+from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
+
+
+def build(config=None, outputs="tensor", **graph_args):
+    config = config or make_config(8, **graph_args)
+    model = TinyBackbone(outputs=outputs)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    return backend, model
+
+
+def capture_all(backend, buffers):
+    for size in backend.cudagraph_capture_sizes:
+        backend(**buffers.step(size))
+
+
+def eager(model, step):
+    return model.forward(**step)
+
+
+def test_replay_equals_eager_on_every_padded_shape(sim):
+    backend, model = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    assert backend.cudagraph_capture_sizes == [8, 4, 2, 1]
+    for tokens in range(1, 9):
+        step = buffers.step(tokens, seed=tokens)
+        out = backend(**step)
+        padded = backend.settings.decode_table[tokens]
+        assert out.shape[0] == padded
+        assert paddle.allclose(out[:tokens], eager(model, step)).item()
+
+
+def test_replay_returns_the_same_output_objects_in_graph_memory(sim):
+    backend, _ = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    first = backend(**buffers.step(3, seed=1))
+    pointer = first.data_ptr()
+    second = backend(**buffers.step(4, seed=2))
+    assert second is first and second.data_ptr() == pointer
+    assert backend(**buffers.step(5)) is not first  # size 8 has its own buffers
+
+
+def test_replay_reads_captured_inputs_not_new_tensors(sim):
+    backend, model = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    captured = buffers.step(4, seed=3)
+    expected_from_buffer = eager(model, captured).clone()
+    swapped = paddle.full([4], 5, dtype="int64")  # a new tensor: a new address on a GPU
+    out = backend(ids_remove_padding=swapped, forward_meta=meta_for(swapped))
+    assert paddle.allclose(out, expected_from_buffer).item()
+    from_swapped = eager(model, {"ids_remove_padding": swapped, "forward_meta": None})
+    assert not paddle.allclose(out, from_swapped).item()
+
+
+@pytest.mark.parametrize("outputs", ["list_with_none", "single_list"])
+def test_list_outputs_keep_their_structure_and_none_entries(sim, outputs):
+    backend, model = build(outputs=outputs)
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    step = buffers.step(3, seed=4)
+    out = backend(**step)
+    expected = eager(model, step)
+    assert isinstance(out, list) and len(out) == len(expected)
+    for got, want in zip(out, expected, strict=True):
+        if want is None:
+            assert got is None
+        else:
+            assert paddle.allclose(got[:3], want).item()
+
+
+def test_fallbacks_are_counted_by_reason_and_warned_once_per_shape(sim, caplog):
+    backend, _ = build()
+    buffers = Buffers()
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        not_captured = backend(**buffers.step(3))  # pads to 4, never captured: eager
+        backend(**buffers.step(3))
+        backend(**buffers.step(9))
+        zero = backend(**buffers.step(0))
+    fallbacks = backend.stats()["eager_fallbacks"]
+    assert fallbacks == {"not_captured": 2, "oversized": 1, "zero_tokens": 1}
+    assert not_captured.shape[0] == 3 and zero.shape[0] == 0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3
+    assert any("3 tokens ran eagerly (not captured)" in w for w in warnings)
+    assert backend.captures == 0
+
+
+def test_stats_count_replays_and_padded_tokens_per_size(sim):
+    backend, _ = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    for tokens in (3, 3, 5, 8, 1):
+        backend(**buffers.step(tokens))
+    stats = backend.stats()
+    # Each capture ends with a replay too.
+    assert stats["replays"] == {1: 2, 2: 1, 4: 3, 8: 3}
+    assert stats["padded_tokens_per_size"] == {4: 2, 8: 3}
+    assert stats["padded_tokens"] == 5
+    assert stats["captures"] == 4
+    assert set(stats["capture_seconds"]) == {1, 2, 4, 8}
+
+
+def test_warmups_run_outside_the_allreduce_context_and_capture_inside(sim, recording_ar):
+    config = make_config(8, cudagraph_num_of_warmups=3)
+    seen = []
+    model = TinyBackbone()
+
+    def forward(**kwargs):
+        seen.append(recording_ar.capturing)
+        return model.forward(**kwargs)
+
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=forward, runnable=forward)
+    buffers = Buffers()
+    backend(**buffers.step(8))
+    # 3 eager warm-ups outside, the captured run inside, then the replay (outside again).
+    assert seen == [False, False, False, True, False]
+    assert recording_ar.events == [("capture_enter",), ("register_graph_buffers",)]
+
+
+def test_capture_order_must_follow_the_plan_every_rank_follows(sim):
+    backend, _ = build()
+    buffers = Buffers()
+    with pytest.raises(CaptureOrderError, match=r"expected size 8 .* got 4"):
+        backend(**buffers.step(4))
+    capture_all(backend, buffers)
+    assert backend.captures == 4
+
+
+def test_capture_failure_leaves_the_size_uncaptured_and_a_retry_works(sim):
+    backend, model = build()
+    buffers = Buffers()
+    sim.fail_next_capture(RuntimeError("out of memory"))
+    with pytest.raises(CaptureError, match=r"decode size 8 .*out of memory.*max-num-seqs"):
+        backend(**buffers.step(8))
+    assert backend.decode_entries[8].graph is None
+    assert sim.live_graphs == 0
+    step = buffers.step(8, seed=9)
+    assert paddle.allclose(backend(**step), eager(model, step)).item()
+    assert backend.decode_entries[8].graph is not None
+
+
+def test_check_capture_successful_in_dynamic_mode(sim):
+    backend, _ = build()
+    with pytest.raises(CaptureIncompleteError, match="decode 8, decode 4, decode 2, decode 1"):
+        backend.check_capture_successful()
+    capture_all(backend, Buffers())
+    backend.check_capture_successful()
+
+
+def test_clear_graph_releases_everything_and_recapture_works(sim, recording_ar):
+    backend, model = build()
+    buffers = Buffers()
+    backend.clear_graph()  # before any capture: harmless
+    capture_all(backend, buffers)
+    assert sim.live_graphs == 4 and sim.pool_bytes(backend.pool) > 0
+    backend.clear_graph()
+    backend.clear_graph()
+    assert sim.live_graphs == 0 and sim.pool_bytes(backend.pool) == 0
+    assert recording_ar.events.count(("clear_ipc_handles",)) == 3
+    capture_all(backend, buffers)  # the same descending order is accepted again
+    step = buffers.step(6, seed=5)
+    assert paddle.allclose(backend(**step)[:6], eager(model, step)).item()
+
+
+def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
+    config = make_config(8, tp=2, sequence_parallel_moe=True)
+    assert config.graph_opt_config.cudagraph_capture_sizes == [8, 4, 2]
+    assert config.graph_opt_config.real_shape_to_captured_size[1] == 1  # stale upstream
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        backend, model = build(config)
+    assert any("disagrees" in r.getMessage() for r in caplog.records)
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    step = buffers.step(1)
+    out = backend(**step)
+    assert out.shape[0] == 2
+    assert paddle.allclose(out[:1], eager(model, step)).item()

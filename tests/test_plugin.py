@@ -1,0 +1,115 @@
+"""Registration: the installed entry point, the FD_PLUGINS loader, the rebinding, the switch."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import subprocess
+import sys
+
+import paddle
+import pytest
+from conftest import DecoratedBackbone, make_config
+from fastdeploy.model_executor.graph_optimization import (
+    cudagraph_piecewise_backend,
+    graph_optimization_backend,
+)
+from fastdeploy.plugins import model_register
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+from fd_cudagraph_plugin import plugin
+from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.errors import ConfigError
+
+NATIVE = cudagraph_piecewise_backend.CudaGraphPiecewiseBackend
+
+
+def _load_plugins() -> None:
+    model_register.reset_for_tests()
+    model_register.load_model_register_plugins()
+
+
+def test_entry_point_is_installed_in_fastdeploys_group():
+    found = [
+        ep
+        for ep in importlib.metadata.entry_points(group=plugin.ENTRY_POINT_GROUP)
+        if ep.name == plugin.ENTRY_POINT_NAME
+    ]
+    assert len(found) == 1
+    assert found[0].value == "fd_cudagraph_plugin.plugin:register"
+    assert found[0].load() is plugin.register
+
+
+def test_fd_plugins_loader_rebinds_the_name_graphoptbackend_looks_up(monkeypatch, sim):
+    monkeypatch.setenv("FD_PLUGINS", "some_other_plugin,fd_cudagraph_plugin")
+    _load_plugins()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is CudaGraphBackend
+    assert cudagraph_piecewise_backend.CudaGraphPiecewiseBackend is CudaGraphBackend
+
+
+@pytest.mark.parametrize("fd_plugins", [None, "fd-cudagraph-plugin", "some_other_plugin"])
+def test_loader_keeps_native_backend_unless_entry_point_name_listed(monkeypatch, fd_plugins):
+    if fd_plugins is not None:
+        monkeypatch.setenv("FD_PLUGINS", fd_plugins)
+    _load_plugins()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
+
+
+def test_register_is_idempotent_and_logs_active_backend_once(caplog, sim):
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        plugin.register()
+        plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is CudaGraphBackend
+    assert graph_optimization_backend._fd_cudagraph_native_backend is NATIVE
+    active = [r for r in caplog.records if "active" in r.getMessage()]
+    assert len(active) == 1
+    assert "FastDeploy 2.6.0" in active[0].getMessage()
+    assert "(fd_config, dy_runnable, runnable)" in active[0].getMessage()
+
+
+def test_native_switch_keeps_fastdeploys_backend(monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_BACKEND", "native")
+    plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
+
+
+def test_unknown_backend_switch_is_a_config_error_listing_allowed_values(monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_BACKEND", "fast")
+    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_BACKEND='fast'.*plugin, native"):
+        plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
+
+
+def test_importing_the_plugin_does_no_heavy_import():
+    code = (
+        "import sys, fd_cudagraph_plugin, fd_cudagraph_plugin.plugin;"
+        "print(sorted(m for m in ('paddle', 'fastdeploy', 'tqdm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["develop-3-arg", "release-2.4-2-arg"])
+def test_decorated_model_serves_through_plugin_backend(plugin_registered, legacy):
+    if legacy:
+        graph_optimization_backend.emulate_release_2_4(True)
+        plugin.register()
+    config = make_config(8)
+    model = DecoratedBackbone(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    assert isinstance(backend, CudaGraphBackend)
+    assert backend.captures == len(config.graph_opt_config.cudagraph_capture_sizes)
+    backend.check_capture_successful()
+    calls_after_capture = model.calls
+    for tokens in (1, 3, 5, 8, 2, 7):
+        out = runner.execute_step(tokens)
+        view = runner.share_inputs["ids"][:tokens]
+        expected = model.forward(ids_remove_padding=view, forward_meta=None)
+        assert out.shape == [tokens, expected.shape[1]]
+        assert paddle.allclose(out, expected).item()
+    # Each step replays a graph (one eager re-run by the simulated runtime) plus our eager check.
+    assert model.calls == calls_after_capture + 2 * 6
+    assert sum(backend.stats()["replays"].values()) == 6 + backend.captures

@@ -1,0 +1,62 @@
+"""The simulated runtime behaves like a CUDA graph where the backend's correctness depends on it."""
+
+from __future__ import annotations
+
+import paddle
+import pytest
+
+from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.runtime import make_runtime
+from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime
+
+
+def _captured_double(runtime, pool, source):
+    inputs = {"x": source}
+    return runtime.capture(lambda: inputs["x"] * 2.0, pool)
+
+
+def test_replay_reads_the_captured_input_memory_updated_in_place():
+    runtime = SimulatedRuntime()
+    pool = runtime.new_pool()
+    buffer = paddle.ones([4])
+    graph, out = _captured_double(runtime, pool, buffer)
+    buffer[:] = paddle.full([4], 3.0)
+    graph.replay()
+    assert out.tolist() == [6.0] * 4
+
+
+def test_replay_writes_outputs_in_place_at_the_same_address():
+    runtime = SimulatedRuntime()
+    buffer = paddle.ones([4])
+    graph, out = _captured_double(runtime, runtime.new_pool(), buffer)
+    pointer = out.data_ptr()
+    buffer[:] = paddle.full([4], 5.0)
+    graph.replay()
+    assert out.data_ptr() == pointer and out.tolist() == [10.0] * 4
+
+
+def test_pool_bytes_are_charged_at_capture_and_returned_on_release():
+    runtime = SimulatedRuntime()
+    pool = runtime.new_pool()
+    graph, _ = _captured_double(runtime, pool, paddle.ones([16]))
+    assert runtime.pool_bytes(pool) == 16 * 4 and runtime.live_graphs == 1
+    graph.release()
+    graph.release()
+    assert runtime.pool_bytes(pool) == 0 and runtime.live_graphs == 0
+    with pytest.raises(RuntimeError, match="released"):
+        graph.replay()
+
+
+def test_injected_capture_failure_leaves_nothing_alive():
+    runtime = SimulatedRuntime()
+    runtime.fail_next_capture(MemoryError("out of memory"))
+    with pytest.raises(MemoryError):
+        _captured_double(runtime, runtime.new_pool(), paddle.ones([4]))
+    assert runtime.live_graphs == 0 and not runtime.capturing
+
+
+def test_cuda_runtime_refuses_cpu_paddle_with_the_fix():
+    if paddle.is_compiled_with_cuda():
+        pytest.skip("this Paddle has CUDA")
+    with pytest.raises(ConfigError, match="FD_CUDAGRAPH_RUNTIME=simulated"):
+        make_runtime("cuda")

@@ -1,0 +1,113 @@
+"""Settings are read once, validated, and every error names the key, the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_config
+
+from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.sizes import padding_table
+
+
+def _set(path: str, value):
+    def apply(config):
+        target = config
+        *parents, leaf = path.split(".")
+        for name in parents:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+
+    return apply
+
+
+BAD_CONFIG = [
+    ("graph_opt_config.cudagraph_capture_sizes", [0, 8], "positive integers"),
+    ("graph_opt_config.cudagraph_capture_sizes", [-4], "positive integers"),
+    ("graph_opt_config.cudagraph_capture_sizes", [1.5, 4], "positive integers"),
+    ("graph_opt_config.cudagraph_capture_sizes", ["8"], "positive integers"),
+    ("graph_opt_config.cudagraph_capture_sizes", [True, 4], "positive integers"),
+    ("graph_opt_config.cudagraph_capture_sizes", [], "non-empty list"),
+    ("graph_opt_config.cudagraph_capture_sizes", None, "non-empty list"),
+    ("graph_opt_config.cudagraph_capture_sizes", "1,2,4", "non-empty list"),
+    ("graph_opt_config.cudagraph_capture_sizes_prefill", [0], "positive integers"),
+    ("graph_opt_config.cudagraph_num_of_warmups", -1, "integer >= 0"),
+    ("graph_opt_config.cudagraph_num_of_warmups", 1.5, "integer >= 0"),
+    ("graph_opt_config.cudagraph_num_of_warmups", "2", "integer >= 0"),
+    ("graph_opt_config.graph_opt_level", 3, "must be 0, 1 or 2"),
+    ("graph_opt_config.graph_opt_level", "1", "must be 0, 1 or 2"),
+    ("graph_opt_config.full_cuda_graph", "yes", "true or false"),
+    ("graph_opt_config.use_unique_memory_pool", 1, "true or false"),
+    ("graph_opt_config.cudagraph_only_prefill", None, "true or false"),
+    ("graph_opt_config.max_capture_shape_prefill", 0, "integer >= 1"),
+    ("graph_opt_config.real_bsz_to_captured_size", {"a": 2}, "non-integer entry"),
+    ("graph_opt_config.real_bsz_to_captured_size", [1, 2], "must be a dict"),
+    ("scheduler_config.max_num_seqs", 0, "integer >= 1"),
+    ("parallel_config.tensor_parallel_size", 0, "integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"), BAD_CONFIG, ids=[f"{k}={v!r}" for k, v, _ in BAD_CONFIG]
+)
+def test_bad_config_value_names_key_value_and_fix(key, value, message):
+    config = make_config(8)
+    _set(key, value)(config)
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_fd_config(config)
+    text = str(raised.value)
+    assert key in text
+    assert message in text
+    assert repr(value) in text or str(value) in text
+
+
+BAD_ENV = [
+    ("FD_CUDAGRAPH_RUNTIME", "gpu"),
+    ("FD_CUDAGRAPH_RUNTIME", "cuda-graphs"),
+    ("FD_CUDAGRAPH_BACKEND", "upstream"),
+]
+
+
+@pytest.mark.parametrize(("env", "value"), BAD_ENV)
+def test_unknown_option_value_lists_the_allowed_values(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError, match=rf"{env}='{value}' is not a known value; allowed"):
+        Settings.from_fd_config(make_config(8))
+
+
+def test_missing_graph_opt_config_is_a_config_error():
+    with pytest.raises(ConfigError, match="graph_opt_config is missing"):
+        Settings.from_fd_config(object())
+
+
+def test_none_speculative_config_means_no_speculative_decoding():
+    config = make_config(8)
+    config.speculative_config = None
+    settings = Settings.from_fd_config(config)
+    assert settings.speculative_method is None and not settings.speculative
+
+
+def test_settings_are_frozen_and_sizes_descending():
+    settings = Settings.from_fd_config(make_config(8, cudagraph_capture_sizes=[2, 8, 4, 8]))
+    assert settings.capture_sizes == (8, 4, 2)
+    with pytest.raises(AttributeError):
+        settings.num_warmups = 5
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ([8, 4, 2, 1], [0, 1, 2, 4, 4, 8, 8, 8, 8]),
+        ([3], [0, 3, 3, 3]),
+        ([6, 2], [0, 2, 2, 6, 6, 6, 6]),
+    ],
+)
+def test_padding_table_gives_smallest_captured_size_at_or_above(sizes, expected):
+    assert padding_table(sizes) == expected
+
+
+def test_padding_table_matches_fastdeploys_map_when_it_is_not_stale():
+    config = make_config(256)
+    table = padding_table(config.graph_opt_config.cudagraph_capture_sizes)
+    upstream = config.graph_opt_config.real_shape_to_captured_size
+    assert {n: table[n] for n in range(len(table))} == upstream
