@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="fd-cudagraph-plugin",
@@ -15,6 +15,15 @@ setup(
     # Paddle's own index, and pip must never replace it with a CPU wheel. (The PyPI project
     # named "fastdeploy" is unrelated to PaddlePaddle's FastDeploy.)
     install_requires=["tqdm"],
+    # The replay hot path in C. optional=True: without a compiler the install still succeeds and
+    # the identical pure-Python dispatch (fd_cudagraph_plugin/dispatch.py) is used instead.
+    ext_modules=[
+        Extension(
+            "fd_cudagraph_plugin._fastpath",
+            ["fd_cudagraph_plugin/_fastpath.c"],
+            optional=True,
+        )
+    ],
     extras_require={
         "test": ["pytest", "pytest-mock", "paddlepaddle==3.3.1", "ruff"],
         "demo": ["paddlepaddle==3.3.1"],

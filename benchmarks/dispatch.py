@@ -33,7 +33,8 @@ from fastdeploy.config import (  # noqa: E402
 )
 from fastdeploy.model_executor.forward_meta import ForwardMeta  # noqa: E402
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend  # noqa: E402
+from fd_cudagraph_plugin.backend import CudaGraphBackend, PyCudaGraphBackend  # noqa: E402
+from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH  # noqa: E402
 
 
 class NoopGraph:
@@ -118,11 +119,19 @@ def main(argv: list[str] | None = None) -> int:
         for n in token_counts
     ]
 
-    ours = CudaGraphBackend(
-        fd_config=config, dy_runnable=model_forward, runnable=model_forward, runtime=NoopRuntime()
-    )
-    for size in sizes:
-        ours(ids_remove_padding=buffer[:size], forward_meta=ForwardMeta(buffer[:size], True))
+    def captured(cls):
+        backend = cls(
+            fd_config=config,
+            dy_runnable=model_forward,
+            runnable=model_forward,
+            runtime=NoopRuntime(),
+        )
+        for size in sizes:
+            backend(ids_remove_padding=buffer[:size], forward_meta=ForwardMeta(buffer[:size], True))
+        return backend
+
+    ours = captured(CudaGraphBackend)
+    python_twin = captured(PyCudaGraphBackend)
     graph = NoopGraph()
     cycle = len(steps)
 
@@ -149,9 +158,15 @@ def main(argv: list[str] | None = None) -> int:
 
     base = per_call_us(bare(), args.number, args.repeat)
     ours_us = per_call_us(run(ours), args.number, args.repeat)
+    twin_us = per_call_us(run(python_twin), args.number, args.repeat)
+    hot_path = "C extension" if NATIVE_FASTPATH else "pure Python (C extension not built)"
     print(f"capture sizes: {len(sizes)} (largest {sizes[0]}), {cycle} distinct decode steps")
     print(f"bare replay() call:            {base:7.3f} us")
-    print(f"fd-cudagraph-plugin dispatch:  {ours_us:7.3f} us  (overhead {ours_us - base:.3f} us)")
+    print(
+        f"fd-cudagraph-plugin dispatch:  {ours_us:7.3f} us  (overhead {ours_us - base:.3f} us; "
+        f"{hot_path})"
+    )
+    print(f"  pure-Python fallback:        {twin_us:7.3f} us  (overhead {twin_us - base:.3f} us)")
 
     if args.fastdeploy_backend is not None:
         native_module = load_fastdeploy_backend(args.fastdeploy_backend)

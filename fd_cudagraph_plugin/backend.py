@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fd_cudagraph_plugin import allreduce
+from fd_cudagraph_plugin.dispatch import FastDispatch, PyDispatch
 from fd_cudagraph_plugin.errors import (
     CaptureError,
     CaptureIncompleteError,
@@ -78,12 +79,15 @@ class GraphEntry:
         return self.graph is not None or self.static_captured
 
 
-class CudaGraphBackend:
+class _BackendCore:
     """Capture and replay CUDA graphs for one decorated FastDeploy backbone.
 
     Accepts FastDeploy 2.5+/develop ``(fd_config, dy_runnable, runnable)`` and 2.4
     ``(fd_config, runnable)``, by keyword. ``runtime`` is for tests and tools; FastDeploy never
     passes it, and the runtime then comes from ``FD_CUDAGRAPH_RUNTIME``.
+
+    ``__call__`` comes from the dispatch base (``dispatch.py``): it serves captured decode sizes
+    from tables and hands every other step to ``_dispatch``.
     """
 
     def __init__(
@@ -111,11 +115,11 @@ class CudaGraphBackend:
             self._static = StaticGraphDriver()
         self._max_size = settings.max_size
         self._decode_table = settings.decode_table
-        self._hits = [0] * (self._max_size + 1)
         self._fallbacks: Counter[str] = Counter()
         self._slow_padded = 0
         self._warned: set[tuple[str, int]] = set()
         self.captures = 0
+        self._hit_totals = [0] * (settings.max_size + 1)
         self._reset_entries()
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
@@ -143,13 +147,9 @@ class CudaGraphBackend:
             self.decode_entries[size] if size else self._zero_entry
             for size in settings.decode_table
         ]
-        # The fast path serves plain decode keyed by token count. Speculative decoding keys graphs
-        # by running requests, so its fast table holds only the never-captured sentinel.
-        self._fast_table = (
-            [self._zero_entry] * len(self._decode_by_tokens)
-            if settings.speculative
-            else self._decode_by_tokens
-        )
+        # The fast tables serve plain decode keyed by token count; they fill as graphs are
+        # captured. Speculative decoding keys graphs by running requests, so its tables stay empty.
+        self._fast_init(len(self._decode_by_tokens))
         self._prefill_by_tokens = [
             self.prefill_entries[size] if size else None for size in settings.prefill_table
         ]
@@ -168,18 +168,6 @@ class CudaGraphBackend:
         return entries
 
     # ------------------------------------------------------------------ dispatch
-
-    def __call__(self, **kwargs: Any) -> Any:
-        meta = kwargs["forward_meta"]
-        tokens = meta.ids_remove_padding.shape[0]
-        if tokens <= self._max_size and not meta.exist_prefill:
-            entry = self._fast_table[tokens]
-            graph = entry.graph
-            if graph is not None:
-                self._hits[tokens] += 1
-                graph.replay()
-                return entry.result
-        return self._dispatch(kwargs, meta)
 
     def _dispatch(self, kwargs: dict, meta: Any) -> Any:
         settings = self.settings
@@ -281,6 +269,7 @@ class CudaGraphBackend:
         except Exception as error:
             raise self._capture_error(entry, "dynamic", error) from error
         entry.graph, entry.result = graph, result
+        self._publish(entry)
         entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
         entry.capture_seconds = time.perf_counter() - started
         self._next_capture += 1
@@ -288,6 +277,15 @@ class CudaGraphBackend:
         logger.debug(
             "captured %s graph of size %d in %.3f s", entry.phase, entry.size, entry.capture_seconds
         )
+
+    def _publish(self, entry: GraphEntry) -> None:
+        """Let the fast path serve every token count that pads to this entry's size."""
+        if self.settings.speculative or entry.phase != DECODE:
+            return
+        replay = entry.graph.replay
+        for tokens in range(1, entry.size + 1):
+            if self._decode_by_tokens[tokens] is entry:
+                self._fast_set(tokens, replay, entry.result)
 
     def _run_static(
         self, entry: GraphEntry, tokens: int, kwargs: dict, *, exact: bool, decode: bool
@@ -340,6 +338,8 @@ class CudaGraphBackend:
                 entry.graph.release()
         if self._static is not None:
             self._static.forget()
+        for tokens, hits in enumerate(self._fast_hits()):
+            self._hit_totals[tokens] += hits
         self._reset_entries()
         self.runtime.empty_cache()
 
@@ -361,7 +361,9 @@ class CudaGraphBackend:
         """Counters since construction, as plain data."""
         replays: Counter[int] = Counter()
         padded: Counter[int] = Counter()
-        for tokens, hits in enumerate(self._hits):
+        current = self._fast_hits()
+        for tokens, total in enumerate(self._hit_totals):
+            hits = total + current[tokens]
             if hits:
                 size = self._decode_table[tokens]
                 replays[size] += hits
@@ -387,3 +389,11 @@ def _is_xpu() -> bool:
     except ImportError:
         return False
     return bool(current_platform.is_xpu())
+
+
+class CudaGraphBackend(_BackendCore, FastDispatch):
+    __doc__ = _BackendCore.__doc__
+
+
+class PyCudaGraphBackend(_BackendCore, PyDispatch):
+    """The same backend with the pure-Python hot path (the fallback without the C extension)."""

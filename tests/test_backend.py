@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import paddle
 import pytest
 from conftest import Buffers, TinyBackbone, make_config, meta_for
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.backend import CudaGraphBackend, PyCudaGraphBackend
+from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH
 from fd_cudagraph_plugin.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
+
+
+@pytest.fixture(params=["c", "python"], autouse=True)
+def backend_class(request, monkeypatch):
+    """Every test here runs against the C hot path and its pure-Python twin."""
+    if request.param == "c" and not NATIVE_FASTPATH:
+        pytest.skip("the C extension is not built here (.ci/run requires it)")
+    cls = CudaGraphBackend if request.param == "c" else PyCudaGraphBackend
+    monkeypatch.setitem(_CLASS, "backend", cls)
+    return cls
+
+
+_CLASS = {"backend": CudaGraphBackend}
 
 
 def build(config=None, outputs="tensor", **graph_args):
     config = config or make_config(8, **graph_args)
     model = TinyBackbone(outputs=outputs)
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    backend = _CLASS["backend"](fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     return backend, model
 
 
@@ -122,7 +137,7 @@ def test_warmups_run_outside_the_allreduce_context_and_capture_inside(sim, recor
         seen.append(recording_ar.capturing)
         return model.forward(**kwargs)
 
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=forward, runnable=forward)
+    backend = _CLASS["backend"](fd_config=config, dy_runnable=forward, runnable=forward)
     buffers = Buffers()
     backend(**buffers.step(8))
     # 3 eager warm-ups outside, the captured run inside, then the replay (outside again).
@@ -188,3 +203,35 @@ def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
     out = backend(**step)
     assert out.shape[0] == 2
     assert paddle.allclose(out[:1], eager(model, step)).item()
+
+
+def test_hot_path_takes_keywords_only_and_needs_forward_meta(sim):
+    backend, _ = build()
+    capture_all(backend, Buffers())
+    with pytest.raises(TypeError):
+        backend(Buffers().step(1))
+    with pytest.raises(KeyError, match="forward_meta"):
+        backend(ids_remove_padding=paddle.zeros([1], dtype="int64"))
+
+
+def test_replay_error_propagates_and_is_not_counted(sim):
+    backend, _ = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    graph = backend.decode_entries[2].graph
+    graph.release()  # a released simulated graph raises on replay
+    with pytest.raises(RuntimeError, match="released"):
+        backend(**buffers.step(2))
+    assert backend.stats()["replays"].get(2, 0) == 1  # only the replay that ended its capture
+
+
+def test_hot_path_holds_no_extra_references(sim):
+    backend, _ = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    step = buffers.step(3)
+    result = backend(**step)
+    before = (sys.getrefcount(result), sys.getrefcount(step["forward_meta"]))
+    for _ in range(1000):
+        backend(**step)
+    assert (sys.getrefcount(result), sys.getrefcount(step["forward_meta"])) == before

@@ -1,0 +1,26 @@
+"""The README stays true: every option is documented, and the quick-start commands are the CI's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fd_cudagraph_plugin.options import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_option_is_in_the_readme_table_with_its_values():
+    for option in OPTIONS:
+        row = next(
+            (line for line in README.splitlines() if line.startswith(f"| `{option.env}`")), ""
+        )
+        assert row, f"{option.env} missing from the README options table"
+        for value in option.choices:
+            assert f"`{value}`" in row, f"{option.env} value {value} missing from its README row"
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert 'pip install -e ".[test]" && python -m pytest -q' in README
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q" in ci
