@@ -21,6 +21,16 @@ def _sizes(text: str) -> list[int]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        import paddle  # noqa: F401
+    except ImportError:
+        print(
+            "fd-cudagraph demo needs Paddle. On a fresh machine: "
+            "pip install 'fd-cudagraph-plugin[demo]' (CPU Paddle); on a GPU machine keep your "
+            "paddlepaddle-gpu.",
+            file=sys.stderr,
+        )
+        return 2
     from fd_cudagraph_plugin.demo import format_report, run_demo
 
     report = run_demo(sizes=args.sizes, steps=args.steps, seed=args.seed, runtime_name=args.runtime)
