@@ -125,11 +125,10 @@ class _BackendCore:
             tokens, theirs, ours = settings.padding_disagreements[0]
             logger.warning(
                 "FastDeploy's real_shape_to_captured_size disagrees with cudagraph_capture_sizes "
-                "at %d token counts (e.g. %d -> %d, but %d is not captured; using %d). This is "
-                "expected after filter_capture_size; the plugin pads from the size list itself.",
+                "at %d token counts (e.g. %d tokens -> %d there, %d here). This is expected "
+                "after filter_capture_size; the plugin pads from the size list itself.",
                 len(settings.padding_disagreements),
                 tokens,
-                theirs,
                 theirs,
                 ours,
             )
@@ -173,14 +172,22 @@ class _BackendCore:
         settings = self.settings
         tokens = meta.ids_remove_padding.shape[0]
         if meta.exist_prefill:
-            if settings.static_split and 0 < tokens < len(self._prefill_by_tokens):
+            if settings.static_split:
+                if not 0 < tokens < len(self._prefill_by_tokens):
+                    return self._eager("oversized", tokens, kwargs)
                 entry = self._prefill_by_tokens[tokens]
                 exact = entry.size == tokens
                 return self._run_static(entry, tokens, kwargs, exact=exact, decode=False)
-            return self._eager("prefill", tokens, kwargs)
+            if not settings.only_prefill:
+                return self._eager("prefill", tokens, kwargs)
+            # cudagraph_only_prefill (PD prefill nodes): prefill-only steps are keyed by token
+            # count through the decode-size list, as FastDeploy's own backend does.
+        elif settings.only_prefill:
+            # Graphs of this mode hold prefill kernels; a decode step must not replay them.
+            return self._eager("decode_in_prefill_only_mode", tokens, kwargs)
 
         entry, exact = None, False
-        if settings.speculative:
+        if settings.speculative and not meta.exist_prefill:
             size = self._speculative_size(meta)
             if size:
                 # The bsz map already names a captured token size; capture on first arrival.
@@ -280,7 +287,7 @@ class _BackendCore:
 
     def _publish(self, entry: GraphEntry) -> None:
         """Let the fast path serve every token count that pads to this entry's size."""
-        if self.settings.speculative or entry.phase != DECODE:
+        if self.settings.speculative or self.settings.only_prefill:
             return
         replay = entry.graph.replay
         for tokens in range(1, entry.size + 1):
@@ -343,11 +350,19 @@ class _BackendCore:
         self._reset_entries()
         self.runtime.empty_cache()
 
+    def expected_entries(self) -> list[GraphEntry]:
+        """The entries this mode captures: what ``check_capture_successful`` requires."""
+        settings = self.settings
+        if settings.only_prefill and settings.static_split:
+            return list(self.prefill_entries.values())
+        entries = list(self.decode_entries.values())
+        if settings.static_split:
+            entries += self.prefill_entries.values()
+        return entries
+
     def check_capture_successful(self) -> None:
         """Raise if a size that this mode captures has no graph yet."""
-        missing = [(DECODE, s) for s, e in self.decode_entries.items() if not e.captured]
-        if self.settings.static_split:
-            missing += [(PREFILL, s) for s, e in self.prefill_entries.items() if not e.captured]
+        missing = [(e.phase, e.size) for e in self.expected_entries() if not e.captured]
         if missing:
             names = ", ".join(f"{phase} {size}" for phase, size in missing)
             raise CaptureIncompleteError(

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# SOT compiles even tiny functions into partial programs, so the static (dy2st) modes really run
+# Paddle's run_program with CUDA-graph attributes on the CPU. Set before Paddle is imported.
+os.environ["MIN_GRAPH_SIZE"] = "0"
 
 STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
 if str(STUB) not in sys.path:
@@ -30,6 +35,7 @@ from fastdeploy.model_executor.graph_optimization import (  # noqa: E402
 from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E402
     support_graph_optimization,
 )
+from fastdeploy.platforms import current_platform  # noqa: E402
 
 from fd_cudagraph_plugin import plugin, runtime  # noqa: E402
 from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime  # noqa: E402
@@ -41,7 +47,7 @@ VOCAB = 32
 @pytest.fixture(autouse=True)
 def _isolated_environment(monkeypatch):
     """Every test starts with FastDeploy's native backend bound and no plugin options set."""
-    for name in list(__import__("os").environ):
+    for name in list(os.environ):
         if name.startswith("FD_CUDAGRAPH_") or name == "FD_PLUGINS":
             monkeypatch.delenv(name)
     native = cudagraph_piecewise_backend.CudaGraphPiecewiseBackend
@@ -55,6 +61,7 @@ def _isolated_environment(monkeypatch):
     runtime._RUNTIMES.update(saved_runtimes)
     communication._TP_AR = saved_tp_ar
     plugin._logged = False
+    current_platform.device_name = None
 
 
 @pytest.fixture
@@ -78,6 +85,24 @@ def plugin_registered(sim):
     """The plugin's backend bound in FastDeploy, as register() leaves it."""
     plugin.register()
     return sim
+
+
+@pytest.fixture
+def partial_program_calls(monkeypatch) -> list[tuple[str, int]]:
+    """Record the CUDA-graph state and dispatch key of every Paddle partial-program run."""
+    from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
+
+    calls: list[tuple[str, int]] = []
+    original = PartialProgramLayer.run_impl
+
+    def spy(layer, inputs, parameters, attrs):
+        _, graph_attrs = attrs
+        state = graph_attrs["cuda_graph_state"]
+        calls.append((state.name, graph_attrs["cuda_graph_dispatch_key"]))
+        return original(layer, inputs, parameters, attrs)
+
+    monkeypatch.setattr(PartialProgramLayer, "run_impl", staticmethod(spy))
+    return calls
 
 
 def make_config(

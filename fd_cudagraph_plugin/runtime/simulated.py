@@ -35,7 +35,7 @@ def _nbytes(tensor: paddle.Tensor) -> int:
 
 
 class SimulatedGraph:
-    __slots__ = ("_runtime", "_fn", "_outputs", "_pool", "_bytes", "replays")
+    __slots__ = ("__weakref__", "_bytes", "_fn", "_outputs", "_pool", "_runtime", "replays")
 
     def __init__(self, runtime: SimulatedRuntime, fn, outputs, pool, nbytes: int) -> None:
         self._runtime = runtime
