@@ -25,7 +25,7 @@ setup(
         )
     ],
     extras_require={
-        "test": ["pytest", "pytest-mock", "paddlepaddle==3.3.1", "ruff"],
+        "test": ["pytest", "pytest-mock", "paddlepaddle==3.3.1", "ruff", "prometheus_client"],
         "demo": ["paddlepaddle==3.3.1"],
     },
     entry_points={

@@ -18,13 +18,15 @@ runner slices ``[:real_token_num]`` straight away, as it does with the native ba
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin import allreduce
+from fd_cudagraph_plugin import allreduce, capture, stats
 from fd_cudagraph_plugin.dispatch import FastDispatch, PyDispatch
 from fd_cudagraph_plugin.errors import (
     CaptureError,
@@ -32,6 +34,7 @@ from fd_cudagraph_plugin.errors import (
     CaptureOrderError,
     ConfigError,
 )
+from fd_cudagraph_plugin.memory import pools_for
 from fd_cudagraph_plugin.runtime import Graph, GraphRuntime, get_runtime
 from fd_cudagraph_plugin.settings import Settings
 
@@ -58,6 +61,9 @@ class GraphEntry:
         "capture_seconds",
         "graph_bytes",
         "replays",
+        "addresses",
+        "guard_ticks",
+        "disabled",
     )
 
     def __init__(self, size: int, phase: str) -> None:
@@ -73,6 +79,11 @@ class GraphEntry:
         self.graph_bytes = 0
         #: Replays dispatched outside the fast path (the fast path counts per token count).
         self.replays = 0
+        #: Input data pointers at capture, when the address guard is on.
+        self.addresses: tuple[tuple[str, int], ...] = ()
+        self.guard_ticks = 0
+        #: The self-check found this graph wrong: the size is served eagerly.
+        self.disabled = False
 
     @property
     def captured(self) -> bool:
@@ -106,8 +117,11 @@ class _BackendCore:
         self.dy_runnable = dy_runnable if dy_runnable is not None else runnable
         self.runnable = runnable if runnable is not None else dy_runnable
         self.settings = settings = Settings.from_fd_config(fd_config)
-        self.runtime = runtime if runtime is not None else get_runtime(settings.options.runtime)
-        self.pool = self.runtime.new_pool() if settings.use_unique_memory_pool else None
+        options = settings.options
+        self.runtime = runtime if runtime is not None else get_runtime(options.runtime)
+        self.pool_policy = self._pool_policy()
+        #: The pool this backend captures into; taken at its first capture, given back on clear.
+        self.pool: object | None = None
         self._static = None
         if settings.dy2st:
             from fd_cudagraph_plugin.static import StaticGraphDriver
@@ -117,10 +131,18 @@ class _BackendCore:
         self._decode_table = settings.decode_table
         self._fallbacks: Counter[str] = Counter()
         self._slow_padded = 0
+        self._slow_tokens: Counter[int] = Counter()
         self._warned: set[tuple[str, int]] = set()
         self.captures = 0
+        self.capture_report: capture.CaptureReport | None = None
         self._hit_totals = [0] * (settings.max_size + 1)
+        self._guard_every = options.check_addresses
+        self._stats_file = None
+        if options.stats_file:
+            self._stats_file = stats.StatsFile(options.stats_file, settings.tp_rank)
         self._reset_entries()
+        stats.register_backend(self)
+        capture.install_runner_hooks()
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
             logger.warning(
@@ -132,6 +154,17 @@ class _BackendCore:
                 theirs,
                 ours,
             )
+
+    def _pool_policy(self) -> str:
+        options = self.settings.options
+        if options.pool_set or self.settings.use_unique_memory_pool:
+            return options.pool
+        logger.warning(
+            "use_unique_memory_pool=false: every CUDA graph gets a private memory pool, so each "
+            "pays for its own scratch memory (36 sizes of a toy decoder took 912 MiB this way "
+            "against 132 MiB in one shared pool). Set FD_CUDAGRAPH_POOL=device to share one."
+        )
+        return "graph"
 
     # ------------------------------------------------------------------ entries and tables
 
@@ -147,13 +180,14 @@ class _BackendCore:
             for size in settings.decode_table
         ]
         # The fast tables serve plain decode keyed by token count; they fill as graphs are
-        # captured. Speculative decoding keys graphs by running requests, so its tables stay empty.
+        # captured (see _publish).
         self._fast_init(len(self._decode_by_tokens))
         self._prefill_by_tokens = [
             self.prefill_entries[size] if size else None for size in settings.prefill_table
         ]
         self._capture_plan = list(settings.capture_sizes)
         self._next_capture = 0
+        self._captures_since_clear = 0
 
     @property
     def cudagraph_capture_sizes(self) -> list[int]:
@@ -165,6 +199,24 @@ class _BackendCore:
         entries = {(s, False): e for s, e in self.decode_entries.items()}
         entries.update({(s, True): e for s, e in self.prefill_entries.items()})
         return entries
+
+    def plan_fingerprint(self) -> dict[str, Any]:
+        """What must be equal on every tensor-parallel rank for captures to line up."""
+        s = self.settings
+        return {
+            "capture_sizes": list(s.capture_sizes),
+            "prefill_sizes": list(s.prefill_sizes) if s.static_split else [],
+            "mode": "static_full"
+            if s.static_full
+            else "static_split"
+            if s.static_split
+            else "dynamic",
+            "only_prefill": s.only_prefill,
+            "warmups": s.num_warmups,
+            "speculative_method": s.speculative_method,
+            "num_speculative_tokens": s.num_speculative_tokens,
+            "bsz_table": list(s.bsz_table),
+        }
 
     # ------------------------------------------------------------------ dispatch
 
@@ -185,6 +237,8 @@ class _BackendCore:
         elif settings.only_prefill:
             # Graphs of this mode hold prefill kernels; a decode step must not replay them.
             return self._eager("decode_in_prefill_only_mode", tokens, kwargs)
+        else:
+            self._slow_tokens[tokens] += 1
 
         entry, exact = None, False
         if settings.speculative and not meta.exist_prefill:
@@ -200,13 +254,23 @@ class _BackendCore:
             entry = self._decode_by_tokens[tokens]
             exact = entry.size == tokens
 
+        if entry.disabled:
+            return self._eager("self_check_failed", tokens, kwargs)
         if settings.static_full:
             return self._run_static(entry, tokens, kwargs, exact=exact, decode=True)
         if entry.graph is None:
             if not exact:
                 return self._eager("not_captured", tokens, kwargs)
-            self._capture(entry, kwargs)
-        return self._replay(entry, tokens)
+            if not self._may_capture(entry, tokens):
+                return self._eager("late_capture", tokens, kwargs)
+            if not self._capture(entry, kwargs):
+                return self.dy_runnable(**kwargs)
+            if entry.disabled:
+                return self._eager("self_check_failed", tokens, kwargs)
+            # The capturing call returns real outputs too; it ran on the captured inputs, so the
+            # address guard starts counting with the next replay.
+            return self._replay(entry, tokens, kwargs, guard=False)
+        return self._replay(entry, tokens, kwargs)
 
     def _speculative_size(self, meta: Any) -> int:
         table = self.settings.bsz_table
@@ -217,7 +281,14 @@ class _BackendCore:
         running = max(1, running)
         return table[running] if running < len(table) else 0
 
-    def _replay(self, entry: GraphEntry, tokens: int) -> Any:
+    def _replay(self, entry: GraphEntry, tokens: int, kwargs: dict, guard: bool = True) -> Any:
+        if self._guard_every and guard:
+            entry.guard_ticks += 1
+            if entry.guard_ticks >= self._guard_every:
+                entry.guard_ticks = 0
+                from fd_cudagraph_plugin import guards
+
+                guards.check_addresses(entry.addresses, kwargs, entry.size)
         entry.graph.replay()
         entry.replays += 1
         self._slow_padded += max(entry.size - tokens, 0)
@@ -239,6 +310,22 @@ class _BackendCore:
 
     # ------------------------------------------------------------------ capture
 
+    def _may_capture(self, entry: GraphEntry, tokens: int) -> bool:
+        """``FD_CUDAGRAPH_LATE_CAPTURE``: after capture_model() ended, capturing on one rank
+        alone would hang tensor parallelism in the all-reduce registration collective."""
+        if capture.active() is not None or not capture.sessions_ended():
+            return True
+        policy = self.settings.options.late_capture
+        if policy == "capture":
+            return True
+        if policy == "error":
+            raise CaptureError(
+                f"late CUDA graph capture of {entry.phase} size {entry.size} ({tokens} tokens) "
+                f"after capture_model() ended (FD_CUDAGRAPH_LATE_CAPTURE=error). Add the size to "
+                f"cudagraph_capture_sizes, or set FD_CUDAGRAPH_LATE_CAPTURE=eager."
+            )
+        return False
+
     def _check_order(self, size: int) -> None:
         """Every TP rank must capture the same sizes in the same order (see allreduce.py)."""
         if _is_xpu():
@@ -259,35 +346,118 @@ class _BackendCore:
                 f"every rank."
             )
 
-    def _warm_up(self, runnable: Callable, kwargs: dict) -> None:
-        for _ in range(self.settings.num_warmups):
-            runnable(**kwargs)
+    def _warmup_count(self, session: capture.CaptureSession | None) -> int:
+        policy = self.settings.options.warmup
+        count = self.settings.num_warmups
+        if session is not None and session.warm_pass:
+            return max(count, 1)
+        if policy == "warm_all_first" and session is not None:
+            count = 0  # every size was warmed in the session's first pass
+        elif policy == "largest_only" and self._captures_since_clear:
+            count = 0
+        if not capture.process_warmed():
+            # Capturing a cold model fails: libraries initialise lazily (cuBLAS raised
+            # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.
+            count = max(count, 1)
+        return count
 
-    def _capture(self, entry: GraphEntry, kwargs: dict) -> None:
-        self._check_order(entry.size)
+    def _warm_up(self, runnable: Callable, kwargs: dict, count: int) -> Any:
+        result = None
+        for _ in range(count):
+            result = runnable(**kwargs)
+            capture.mark_warmed()
+        return result
+
+    def _ar_context(self, session: capture.CaptureSession | None):
+        if session is not None and session.options.ar_registration == "session":
+            return contextlib.nullcontext()  # the session holds one context for every graph
+        return allreduce.capture_context()
+
+    def _capture(self, entry: GraphEntry, kwargs: dict) -> bool:
+        """Warm up and capture ``entry``; False in a warm-only pass (nothing captured)."""
+        session = capture.active()
         runnable = self.dy_runnable
+        warmups = self._warmup_count(session)
+        if session is not None and session.warm_pass:
+            self._warm_up(runnable, kwargs, warmups)
+            return False
+        self._check_order(entry.size)
+        if self.pool is None:
+            self.pool = pools_for(self.runtime).acquire(self.pool_policy, id(self))
         started = time.perf_counter()
         before = self.runtime.pool_bytes(self.pool)
         try:
-            self._warm_up(runnable, kwargs)
+            self._warm_up(runnable, kwargs, warmups)
             self.runtime.synchronize()
-            with allreduce.capture_context():
+            with self._ar_context(session):
                 graph, result = self.runtime.capture(lambda: runnable(**kwargs), self.pool)
         except Exception as error:
             raise self._capture_error(entry, "dynamic", error) from error
         entry.graph, entry.result = graph, result
-        self._publish(entry)
         entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
         entry.capture_seconds = time.perf_counter() - started
-        self._next_capture += 1
+        self._after_capture(entry, warmups, session, decode=True)
+        if self._guard_every:
+            from fd_cudagraph_plugin import guards
+
+            entry.addresses = guards.input_addresses(kwargs)
+        if self.settings.options.self_check != "off":
+            self._self_check(entry, kwargs)
+        if self.settings.options.dump_dot:
+            self._dump_dot(entry)
+        self._publish(entry)
+        return True
+
+    def _after_capture(
+        self, entry: GraphEntry, warmups: int, session: capture.CaptureSession | None, decode: bool
+    ) -> None:
+        if decode:
+            self._next_capture += 1
+        self._captures_since_clear += 1
         self.captures += 1
+        if session is not None:
+            session.record(self, entry, warmups)
         logger.debug(
             "captured %s graph of size %d in %.3f s", entry.phase, entry.size, entry.capture_seconds
         )
 
+    def _self_check(self, entry: GraphEntry, kwargs: dict) -> None:
+        """Replay the new graph and run eager on the same inputs; they must agree."""
+        from fd_cudagraph_plugin import guards
+
+        entry.graph.replay()
+        replayed = guards.clone(entry.result)
+        problem = guards.first_mismatch(replayed, self.dy_runnable(**kwargs))
+        if problem is None:
+            return
+        message = (
+            f"CUDA graph self-check failed for {entry.phase} size {entry.size}: {problem}. An op "
+            f"in the model does not replay like it runs eagerly (host-side values, dynamic "
+            f"shapes, or an all-reduce outside the capture context)."
+        )
+        if self.settings.options.self_check == "error":
+            raise guards.SelfCheckError(message + " (FD_CUDAGRAPH_SELF_CHECK=error)")
+        logger.warning("%s This size is served eagerly from now on.", message)
+        entry.disabled = True
+
+    def _dump_dot(self, entry: GraphEntry) -> None:
+        directory = os.path.join(os.environ.get("FD_LOG_DIR", "log"), "GraphDotFiles")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"backend{id(self):x}_{entry.phase}{entry.size}")
+        if not self.runtime.dump_dot(entry.graph, path) and ("dump_dot", 0) not in self._warned:
+            self._warned.add(("dump_dot", 0))
+            logger.warning(
+                "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.", self.runtime.name
+            )
+
     def _publish(self, entry: GraphEntry) -> None:
-        """Let the fast path serve every token count that pads to this entry's size."""
-        if self.settings.speculative or self.settings.only_prefill:
+        """Let the fast path serve every token count that pads to this entry's size.
+
+        Not for speculative keys, prefill-only graphs, disabled entries, or while the address
+        guard is on (it checks in the Python replay path).
+        """
+        settings = self.settings
+        if settings.speculative or settings.only_prefill or entry.disabled or self._guard_every:
             return
         replay = entry.graph.replay
         for tokens in range(1, entry.size + 1):
@@ -304,20 +474,25 @@ class _BackendCore:
                 # The driver turns REPLAY of an uncaptured key into DISABLE: a plain static run.
                 self._fallbacks["not_captured"] += 1
                 return driver.replay(self.runnable, kwargs, entry.size)
+            if not self._may_capture(entry, tokens):
+                self._fallbacks["late_capture"] += 1
+                return driver.replay(self.runnable, kwargs, entry.size)
+            session = capture.active()
+            warmups = self._warmup_count(session)
+            if session is not None and session.warm_pass:
+                return self._warm_up(self.runnable, kwargs, warmups)
             if decode:
                 self._check_order(entry.size)
             started = time.perf_counter()
             try:
-                self._warm_up(self.runnable, kwargs)
-                with allreduce.capture_context():
+                self._warm_up(self.runnable, kwargs, warmups)
+                with self._ar_context(session):
                     driver.capture(self.runnable, kwargs, entry.size)
             except Exception as error:
                 raise self._capture_error(entry, "static", error) from error
             entry.static_captured = True
             entry.capture_seconds = time.perf_counter() - started
-            if decode:
-                self._next_capture += 1
-            self.captures += 1
+            self._after_capture(entry, warmups, session, decode=decode)
         entry.replays += 1
         self._slow_padded += max(entry.size - tokens, 0)
         return driver.replay(self.runnable, kwargs, entry.size)
@@ -337,8 +512,12 @@ class _BackendCore:
         """Release every graph and output buffer so the next ``capture_model()`` starts afresh.
 
         FastDeploy calls this for an RL weight update and for ``/v1/sleep``. Clearing twice, or
-        before any capture, is harmless.
+        before any capture, is harmless. A pool shared with other backends stays until its last
+        user clears.
         """
+        if self.captures:
+            stats.log_summary("clear_graph")
+        self.flush_stats()
         allreduce.clear_ipc_handles()
         for entry in (*self.decode_entries.values(), *self.prefill_entries.values()):
             if entry.graph is not None:
@@ -348,6 +527,8 @@ class _BackendCore:
         for tokens, hits in enumerate(self._fast_hits()):
             self._hit_totals[tokens] += hits
         self._reset_entries()
+        pools_for(self.runtime).release(self.pool_policy, self.pool, id(self))
+        self.pool = None
         self.runtime.empty_cache()
 
     def expected_entries(self) -> list[GraphEntry]:
@@ -372,6 +553,19 @@ class _BackendCore:
 
     # ------------------------------------------------------------------ stats
 
+    def decode_token_counts(self) -> Counter[int]:
+        """Observed decode steps per token count, since construction (what ``tune`` reads)."""
+        counts: Counter[int] = Counter(self._slow_tokens)
+        for tokens, hits in enumerate(self._fast_hits()):
+            total = hits + self._hit_totals[tokens]
+            if total:
+                counts[tokens] += total
+        return counts
+
+    def flush_stats(self) -> None:
+        if self._stats_file is not None:
+            self._stats_file.flush(self)
+
     def stats(self) -> dict[str, Any]:
         """Counters since construction, as plain data."""
         replays: Counter[int] = Counter()
@@ -383,18 +577,21 @@ class _BackendCore:
                 size = self._decode_table[tokens]
                 replays[size] += hits
                 padded[size] += hits * (size - tokens)
+        captured = [e for e in self.concrete_size_entries.values() if e.captured]
         for entry in (*self.decode_entries.values(), *self.prefill_entries.values()):
             replays[entry.size] += entry.replays
+        graph_bytes = {e.size: e.graph_bytes for e in captured}
         return {
             "captures": self.captures,
             "replays": {size: n for size, n in sorted(replays.items()) if n},
             "eager_fallbacks": dict(self._fallbacks),
             "padded_tokens": sum(padded.values()) + self._slow_padded,
             "padded_tokens_per_size": {size: n for size, n in sorted(padded.items()) if n},
-            "capture_seconds": {
-                s: e.capture_seconds for s, e in self.decode_entries.items() if e.captured
-            },
-            "graph_bytes": {s: e.graph_bytes for s, e in self.decode_entries.items() if e.captured},
+            "capture_seconds": {e.size: e.capture_seconds for e in captured},
+            "graph_bytes": graph_bytes,
+            "graph_bytes_total": sum(graph_bytes.values()),
+            "largest_graph_bytes": max(graph_bytes.values(), default=0),
+            "pool_policy": self.pool_policy,
         }
 
 

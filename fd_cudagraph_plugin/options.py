@@ -12,7 +12,7 @@ parser all read that declaration.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fd_cudagraph_plugin.errors import ConfigError
@@ -22,8 +22,37 @@ from fd_cudagraph_plugin.errors import ConfigError
 class Option:
     env: str
     default: str
+    #: Allowed values of an enumerated option; empty for a free-form one (``parse`` checks it).
     choices: tuple[str, ...]
     help: str
+    #: For free-form options: turns the text into a value or raises ``ValueError`` with a reason.
+    parse: Callable[[str], object] | None = None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError("must be a number of seconds >= 0 (0 turns it off)")
+    return value
+
+
+def _path(text: str) -> str:
+    return os.path.expanduser(text)
+
+
+def _sampling(text: str) -> int:
+    """``off`` -> 0, ``always`` -> 1, ``sampled:N`` -> N (check one replay in N)."""
+    if text == "off":
+        return 0
+    if text == "always":
+        return 1
+    prefix, _, count = text.partition(":")
+    if prefix != "sampled" or not count.isdigit() or int(count) < 1:
+        raise ValueError("must be off, always, or sampled:N with N >= 1")
+    return int(count)
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -40,35 +69,143 @@ OPTIONS: tuple[Option, ...] = (
         "`simulated` runs graphs on the CPU runtime with CUDA-graph semantics (tests, demo). "
         "Never chosen silently.",
     ),
+    Option(
+        "FD_CUDAGRAPH_POOL",
+        "device",
+        ("device", "instance", "graph"),
+        "Graph memory pools: one per device shared by every backend, one per backend (FastDeploy's "
+        "`use_unique_memory_pool`), or Paddle's private pool per graph.",
+    ),
+    Option(
+        "FD_CUDAGRAPH_WARMUP",
+        "per_size",
+        ("per_size", "warm_all_first", "largest_only"),
+        "Eager warm-ups before capture: before each size, every size before any capture, or only "
+        "before the largest.",
+    ),
+    Option(
+        "FD_CUDAGRAPH_AR_REGISTRATION",
+        "per_graph",
+        ("per_graph", "session"),
+        "Custom all-reduce buffer registration: after every graph, or once per capture session.",
+    ),
+    Option(
+        "FD_CUDAGRAPH_LATE_CAPTURE",
+        "eager",
+        ("eager", "capture", "error"),
+        "A capture attempt after capture_model() has ended: run eagerly, capture anyway, or raise.",
+    ),
+    Option(
+        "FD_CUDAGRAPH_CHECK_ADDRESSES",
+        "off",
+        (),
+        "`off`, `sampled:N` or `always`: compare graph input addresses on replay.",
+        _sampling,
+    ),
+    Option(
+        "FD_CUDAGRAPH_SELF_CHECK",
+        "off",
+        ("off", "warn", "error"),
+        "After each capture, compare a replay with eager; on mismatch serve that size eagerly "
+        "(`warn`) or raise (`error`).",
+    ),
+    Option(
+        "FD_CUDAGRAPH_MEMORY_REPORT",
+        "",
+        (),
+        "Path: write the per-size graph-memory table as JSON after each capture session.",
+        _path,
+    ),
+    Option(
+        "FD_CUDAGRAPH_STATS_FILE",
+        "",
+        (),
+        "Path: append observed decode token counts (for `fd-cudagraph tune`).",
+        _path,
+    ),
+    Option(
+        "FD_CUDAGRAPH_STATS_INTERVAL",
+        "0",
+        (),
+        "Seconds between periodic stats log lines (and stats-file flushes); 0 is off.",
+        _seconds,
+    ),
+    Option(
+        "FD_CUDAGRAPH_METRICS",
+        "0",
+        ("0", "1"),
+        "`1` exports Prometheus metrics when `prometheus_client` is importable.",
+    ),
+    Option(
+        "FD_CUDAGRAPH_DUMP_DOT",
+        "0",
+        ("0", "1"),
+        "`1` writes Paddle's dot file of each captured graph under `FD_LOG_DIR`.",
+    ),
 )
 
-_BY_ENV = {option.env: option for option in OPTIONS}
+BY_ENV = {option.env: option for option in OPTIONS}
 
 
-def read_option(env: str, environ: Mapping[str, str] | None = None) -> str:
-    """Return the validated value of one option; an unknown value is a ``ConfigError``."""
-    option = _BY_ENV[env]
+def read_option(env: str, environ: Mapping[str, str] | None = None) -> object:
+    """Return the validated value of one option; a bad value is a ``ConfigError``."""
+    option = BY_ENV[env]
     source = os.environ if environ is None else environ
     raw = source.get(env)
-    if raw is None or raw.strip() == "":
-        return option.default
-    value = raw.strip().lower()
-    if value not in option.choices:
-        raise ConfigError(
-            f"{env}={raw!r} is not a known value; allowed values are "
-            f"{', '.join(option.choices)} (default {option.default}). Fix or unset {env}."
-        )
-    return value
+    text = option.default if raw is None or raw.strip() == "" else raw.strip()
+    if option.choices:
+        value = text.lower()
+        if value not in option.choices:
+            raise ConfigError(
+                f"{env}={raw!r} is not a known value; allowed values are "
+                f"{', '.join(option.choices)} (default {option.default}). Fix or unset {env}."
+            )
+        return value
+    if option.parse is None or text == "":
+        return text
+    try:
+        return option.parse(text)
+    except ValueError as error:
+        raise ConfigError(f"{env}={raw!r}: {error}. Fix or unset {env}.") from None
 
 
 @dataclass(frozen=True)
 class PluginOptions:
     backend: str
     runtime: str
+    pool: str
+    pool_set: bool
+    warmup: str
+    ar_registration: str
+    late_capture: str
+    check_addresses: int
+    self_check: str
+    memory_report: str
+    stats_file: str
+    stats_interval: float
+    metrics: bool
+    dump_dot: bool
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginOptions:
+        source = os.environ if environ is None else environ
+
+        def get(name: str) -> object:
+            return read_option(f"FD_CUDAGRAPH_{name}", source)
+
         return cls(
-            backend=read_option("FD_CUDAGRAPH_BACKEND", environ),
-            runtime=read_option("FD_CUDAGRAPH_RUNTIME", environ),
+            backend=get("BACKEND"),
+            runtime=get("RUNTIME"),
+            pool=get("POOL"),
+            pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
+            warmup=get("WARMUP"),
+            ar_registration=get("AR_REGISTRATION"),
+            late_capture=get("LATE_CAPTURE"),
+            check_addresses=get("CHECK_ADDRESSES"),
+            self_check=get("SELF_CHECK"),
+            memory_report=get("MEMORY_REPORT"),
+            stats_file=get("STATS_FILE"),
+            stats_interval=get("STATS_INTERVAL"),
+            metrics=get("METRICS") == "1",
+            dump_dot=get("DUMP_DOT") == "1",
         )

@@ -16,8 +16,9 @@ def test_every_option_is_in_the_readme_table_with_its_values():
             (line for line in README.splitlines() if line.startswith(f"| `{option.env}`")), ""
         )
         assert row, f"{option.env} missing from the README options table"
-        for value in option.choices:
-            assert f"`{value}`" in row, f"{option.env} value {value} missing from its README row"
+        for value in option.choices or (option.default,):
+            if value:
+                assert f"`{value}`" in row, f"{option.env}: value {value} missing from its row"
 
 
 def test_ci_runs_the_readme_test_command():

@@ -29,6 +29,9 @@ class GraphRuntime(Protocol):
     def new_pool(self) -> object:
         """A new memory-pool handle that several graphs may share."""
 
+    def release_pool(self, pool: object) -> None:
+        """The pool's last graph is gone; give its memory back (with ``empty_cache``)."""
+
     def capture(self, fn: Callable[[], object], pool: object) -> tuple[Graph, object]:
         """Run ``fn`` under capture into ``pool``; return the graph and what ``fn`` returned.
 
@@ -41,7 +44,10 @@ class GraphRuntime(Protocol):
     def empty_cache(self) -> None: ...
 
     def pool_bytes(self, pool: object) -> int:
-        """Bytes the pool holds now, for per-size accounting."""
+        """Bytes the pool holds now, for per-size accounting (diffed around each capture)."""
+
+    def dump_dot(self, graph: Graph, path: str) -> bool:
+        """Write the graph's dot file under ``path``; False when the runtime cannot."""
 
 
 def make_runtime(name: str) -> GraphRuntime:

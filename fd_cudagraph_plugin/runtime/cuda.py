@@ -64,6 +64,15 @@ class CudaRuntime:
         paddle.device.synchronize()
         return CudaGraph(graph), outputs
 
+    def release_pool(self, pool: object) -> None:
+        # Paddle counts the graphs of each pool id and frees the pool with its last graph's
+        # reset(); empty_cache() then returns the memory to the driver.
+        return None
+
+    def dump_dot(self, graph: CudaGraph, path: str) -> bool:
+        graph._graph.print_to_dot_files(path, 1 << 0)
+        return True
+
     def synchronize(self) -> None:
         paddle.device.synchronize()
 
@@ -71,6 +80,6 @@ class CudaRuntime:
         paddle.device.cuda.empty_cache()
 
     def pool_bytes(self, pool: object) -> int:
-        # Paddle exposes no per-pool statistic; the allocator's total moves by exactly what a
-        # capture allocates, which is what the caller diffs.
-        return int(paddle.device.cuda.memory_allocated())
+        # Paddle exposes no per-pool statistic. Graph pools are reserved memory, and only the
+        # capture runs while the caller diffs this, so the growth is what the capture reserved.
+        return int(paddle.device.cuda.memory_reserved())

@@ -7,8 +7,11 @@ What it reproduces of a real CUDA graph, because the backend's correctness depen
   Persistent input buffers updated in place are therefore seen; swapped-in tensors are not.
 * Replay writes its results in place into the tensors captured as outputs; it allocates no new
   output objects, so callers holding an output see it change on the next replay of that graph.
-* Memory: each capture charges its output bytes to its pool; a pool's bytes return only when its
-  last graph is released. Tests read ``live_graphs`` and ``pool_bytes`` to prove nothing leaks.
+* Memory: each capture charges its output bytes to its pool (a private pool per graph when none
+  is given); a pool's bytes return only when its last graph is released, and releasing a pool
+  that still holds graphs is an error. Tests read ``live_graphs``, ``pool_bytes`` and
+  ``live_pools`` to prove nothing leaks. Scratch memory is not modelled: simulated figures count
+  output buffers only.
 
 It also lets tests inject a failure into the next capture, as an out-of-memory error would.
 """
@@ -52,7 +55,11 @@ class SimulatedGraph:
     def replay(self) -> None:
         if self._fn is None:
             raise RuntimeError("replay of a released graph")
-        fresh = output_tensors(self._fn())
+        self._runtime.replaying = True
+        try:
+            fresh = output_tensors(self._fn())
+        finally:
+            self._runtime.replaying = False
         for target, value in zip(self._outputs, fresh, strict=True):
             paddle.assign(value, output=target)
         self.replays += 1
@@ -76,6 +83,9 @@ class SimulatedRuntime:
         self.live_graphs = 0
         self.captures = 0
         self.capturing = False
+        #: True while a replay re-executes captured work: lets a test model behave like an op
+        #: whose captured form differs from its eager one (a host value frozen at capture).
+        self.replaying = False
         self.empty_cache_calls = 0
 
     def fail_next_capture(self, error: BaseException) -> None:
@@ -87,6 +97,18 @@ class SimulatedRuntime:
         self._pool_bytes[pool] = 0
         return pool
 
+    @property
+    def live_pools(self) -> int:
+        return len(self._pool_bytes)
+
+    def release_pool(self, pool: object) -> None:
+        held = self._pool_bytes.pop(pool, 0)
+        if held:
+            raise RuntimeError(f"pool {pool} released while its graphs still hold {held} bytes")
+
+    def dump_dot(self, graph: SimulatedGraph, path: str) -> bool:
+        return False
+
     def capture(self, fn: Callable[[], object], pool: object) -> tuple[SimulatedGraph, object]:
         self.capturing = True
         try:
@@ -95,6 +117,8 @@ class SimulatedRuntime:
                 raise self._failures.pop(0)
         finally:
             self.capturing = False
+        if pool is None:
+            pool = ("private-pool", next(self._pool_ids))
         tensors = output_tensors(outputs)
         nbytes = sum(_nbytes(t) for t in tensors)
         self._pool_bytes[pool] = self._pool_bytes.get(pool, 0) + nbytes
@@ -105,6 +129,8 @@ class SimulatedRuntime:
     def _release(self, pool: object, nbytes: int) -> None:
         self.live_graphs -= 1
         self._pool_bytes[pool] -= nbytes
+        if pool[0] == "private-pool":
+            del self._pool_bytes[pool]
 
     def synchronize(self) -> None:
         return None
@@ -113,4 +139,7 @@ class SimulatedRuntime:
         self.empty_cache_calls += 1
 
     def pool_bytes(self, pool: object) -> int:
+        """Bytes held by ``pool``; with None, by every pool (what a device-wide counter shows)."""
+        if pool is None:
+            return sum(self._pool_bytes.values())
         return self._pool_bytes.get(pool, 0)

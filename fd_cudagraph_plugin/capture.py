@@ -1,0 +1,384 @@
+"""Capture sessions: FastDeploy's capture loops, wrapped.
+
+FastDeploy's ``GPUModelRunner.capture_model()`` (decode) and ``capture_model_prefill_and_mixed()``
+(static split prefill) own the dummy runs that make the backends capture. The plugin keeps those
+loops and runs each inside a ``CaptureSession``, which:
+
+* collects and freezes Python's GC for the session (vLLM measured per-size capture time falling
+  from about 5 s to under 0.5 s with this), and restores it afterwards, also on error;
+* before the first capture, exchanges a fingerprint of the capture plan with every tensor-parallel
+  rank and raises ``RankMismatchError`` with a per-rank diff instead of hanging later inside the
+  custom all-reduce registration collective (vLLM #39788, SGLang #11275, #16237);
+* shows a progress bar per phase on rank 0, records each size's capture time and graph memory, and
+  ends with one summary line in the log and a ``CaptureReport`` kept on every backend;
+* applies the warm-up policy and the custom all-reduce registration mode.
+
+After a session has ended, a capture attempt while serving is a *late capture*: on one rank alone
+it would hang tensor parallelism, so ``FD_CUDAGRAPH_LATE_CAPTURE`` decides (default: run eagerly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from fd_cudagraph_plugin import allreduce, stats
+from fd_cudagraph_plugin.errors import RankMismatchError
+from fd_cudagraph_plugin.options import PluginOptions
+
+logger = logging.getLogger("fd_cudagraph_plugin")
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CaptureRecord:
+    backend: str
+    role: str
+    phase: str
+    size: int
+    seconds: float
+    graph_bytes: int
+    warmups: int
+
+
+@dataclass
+class CaptureReport:
+    """What one session captured. ``summary()`` is the log line; ``to_json()`` the memory report."""
+
+    phase: str
+    rank: int
+    warmup_policy: str
+    ar_registration: str
+    seconds: float = 0.0
+    records: list[CaptureRecord] = field(default_factory=list)
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def graph_bytes(self) -> int:
+        return sum(r.graph_bytes for r in self.records)
+
+    @property
+    def largest_graph_bytes(self) -> int:
+        return max((r.graph_bytes for r in self.records), default=0)
+
+    def summary(self) -> str:
+        if not self.records:
+            return f"{self.phase} capture session: no graphs captured in {self.seconds:.1f} s"
+        sizes = sorted({r.size for r in self.records})
+        warmups = sorted({r.warmups for r in self.records})
+        warm = f"{warmups[0]}" if len(warmups) == 1 else f"{warmups[0]}-{warmups[-1]}"
+        backends = len({r.backend for r in self.records})
+        return (
+            f"captured {self.graphs} graphs (sizes {sizes[0]}..{sizes[-1]}"
+            f"{f', {backends} backends' if backends > 1 else ''}) in {self.seconds:.1f} s, "
+            f"graph memory {self.graph_bytes / _MIB:.0f} MiB "
+            f"(largest graph {self.largest_graph_bytes / _MIB:.0f} MiB), {warm} warm-ups each"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "fd-cudagraph-memory/1",
+            "phase": self.phase,
+            "rank": self.rank,
+            "seconds": round(self.seconds, 6),
+            "graphs": self.graphs,
+            "graph_bytes": self.graph_bytes,
+            "largest_graph_bytes": self.largest_graph_bytes,
+            "warmup_policy": self.warmup_policy,
+            "ar_registration": self.ar_registration,
+            "captures": [asdict(r) for r in self.records],
+        }
+
+
+class PlanExchange(Protocol):
+    """Gathers one object from every tensor-parallel rank, in rank order."""
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+
+class PaddleExchange:
+    """The TP group's ``all_gather_object``: what FastDeploy workers use."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import paddle.distributed as dist
+
+        gathered: list[Any] = []
+        dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
+
+
+def default_exchange(fd_config: Any) -> PlanExchange | None:
+    parallel = getattr(fd_config, "parallel_config", None)
+    if getattr(parallel, "tensor_parallel_size", 1) <= 1:
+        return None
+    return PaddleExchange(getattr(parallel, "tp_group", None))
+
+
+#: Builds the exchange for a session from the runner's ``fd_config``; tests replace it.
+exchange_factory: Callable[[Any], PlanExchange | None] = default_exchange
+
+
+def plan_diff(fingerprints: list[dict]) -> list[str]:
+    """One line per rank whose plan differs from rank 0's, naming each differing key."""
+    lines = []
+    reference = fingerprints[0]
+    for rank, fingerprint in enumerate(fingerprints[1:], start=1):
+        keys = sorted(set(reference) | set(fingerprint))
+        diffs = [
+            f"{key}: rank 0 {reference.get(key)!r} vs rank {rank} {fingerprint.get(key)!r}"
+            for key in keys
+            if reference.get(key) != fingerprint.get(key)
+        ]
+        if diffs:
+            lines.append(f"rank {rank}: " + "; ".join(diffs))
+    return lines
+
+
+_active: CaptureSession | None = None
+_ended = 0
+_process_warmed = False
+
+
+def active() -> CaptureSession | None:
+    return _active
+
+
+def sessions_ended() -> int:
+    return _ended
+
+
+def process_warmed() -> bool:
+    """True once any eager warm-up has run in this process (a cold capture fails, e.g. cuBLAS)."""
+    return _process_warmed
+
+
+def mark_warmed() -> None:
+    global _process_warmed
+    _process_warmed = True
+
+
+def reset_for_tests() -> None:
+    global _active, _ended, _process_warmed
+    _active, _ended, _process_warmed = None, 0, False
+
+
+class CaptureSession:
+    """One run of a FastDeploy capture loop. Use as a context manager."""
+
+    def __init__(
+        self,
+        phase: str,
+        *,
+        fd_config: Any = None,
+        options: PluginOptions | None = None,
+        exchange: PlanExchange | None = None,
+    ) -> None:
+        self.options = options or PluginOptions.from_env()
+        self.phase = phase
+        parallel = getattr(fd_config, "parallel_config", None)
+        self.rank = int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
+        self.exchange = exchange if exchange is not None else exchange_factory(fd_config)
+        self.report = CaptureReport(
+            phase, self.rank, self.options.warmup, self.options.ar_registration
+        )
+        #: ``"warm"`` during the first pass of ``warm_all_first``: warm up, capture nothing.
+        self.pass_ = "capture"
+        self._bars: dict[tuple[str, str], Any] = {}
+        self._stack = contextlib.ExitStack()
+        self._started = 0.0
+        self._unfreeze = False
+
+    @property
+    def warm_pass(self) -> bool:
+        return self.pass_ == "warm"
+
+    def __enter__(self) -> CaptureSession:
+        global _active
+        if _active is not None:
+            raise RuntimeError("capture sessions do not nest")
+        self._started = time.perf_counter()
+        self._unfreeze = gc.get_freeze_count() == 0
+        gc.collect()
+        gc.freeze()
+        _active = self
+        try:
+            self.check_plan()
+            if self.options.ar_registration == "session":
+                # One registration collective for the whole session instead of one per graph.
+                # Warm-ups inside this context all-reduce into placeholder buffers (FastDeploy's
+                # custom all-reduce returns empty_like outside an active capture): their values
+                # are garbage, which is harmless for warm-ups and dummy runs.
+                self._stack.enter_context(allreduce.capture_context())
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._stack.close()
+        finally:
+            self._close()
+        if exc_type is None:
+            self._finish()
+
+    def _close(self) -> None:
+        global _active, _ended
+        for bar in self._bars.values():
+            bar.close()
+        if self._unfreeze:
+            gc.unfreeze()
+        _active = None
+        _ended += 1
+        self.report.seconds = time.perf_counter() - self._started
+
+    def _finish(self) -> None:
+        logger.info("%s", self.report.summary())
+        for backend in stats.live_backends():
+            backend.capture_report = self.report
+        path = self.options.memory_report
+        if path:
+            if "{rank}" in path:
+                path = path.replace("{rank}", str(self.rank))
+            directory = os.path.dirname(path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as handle:
+                json.dump(self.report.to_json(), handle, indent=1)
+
+    def check_plan(self) -> None:
+        """Every TP rank must plan the same captures; compare before the first one."""
+        if self.exchange is None:
+            return
+        from fd_cudagraph_plugin import __version__
+
+        mine = {
+            "plugin_version": __version__,
+            "phase": self.phase,
+            "warmup_policy": self.options.warmup,
+            "ar_registration": self.options.ar_registration,
+            "pool": self.options.pool,
+        }
+        for index, backend in enumerate(stats.live_backends()):
+            for key, value in backend.plan_fingerprint().items():
+                mine[f"backend{index}.{key}"] = value
+        everyone = self.exchange.all_gather(mine)
+        diff = plan_diff(everyone)
+        if diff:
+            raise RankMismatchError(
+                f"tensor-parallel ranks plan different CUDA-graph captures (this is rank "
+                f"{self.rank}); capturing would hang in the custom all-reduce registration. "
+                + " | ".join(diff)
+                + ". Start every rank with the same --graph-optimization-config, "
+                "--speculative-config, --max-num-seqs and FD_CUDAGRAPH_* variables."
+            )
+
+    def record(self, backend: Any, entry: Any, warmups: int) -> None:
+        record = CaptureRecord(
+            backend=f"{id(backend):#x}",
+            role=backend.role,
+            phase=entry.phase,
+            size=entry.size,
+            seconds=entry.capture_seconds,
+            graph_bytes=entry.graph_bytes,
+            warmups=warmups,
+        )
+        self.report.records.append(record)
+        self._progress(backend, record)
+
+    def _progress(self, backend: Any, record: CaptureRecord) -> None:
+        if self.rank != 0:
+            return
+        label = "draft" if record.role == "draft" else record.phase
+        bar = self._bars.get((label, record.backend))
+        if bar is None:
+            from tqdm import tqdm
+
+            total = sum(1 for e in backend.expected_entries() if e.phase == record.phase)
+            bar = tqdm(
+                total=total,
+                desc=f"CUDA graphs ({label})",
+                unit="graph",
+                disable=None,  # on when stderr is a terminal
+                file=sys.stderr,
+            )
+            self._bars[(label, record.backend)] = bar
+        graph_bytes = sum(r.graph_bytes for r in self.report.records if r.backend == record.backend)
+        bar.set_postfix_str(f"size {record.size}, graph memory {graph_bytes / _MIB:.0f} MiB")
+        bar.update(1)
+
+
+# ---------------------------------------------------------------------------- runner hooks
+
+_HOOKS = (("capture_model", "decode"), ("capture_model_prefill_and_mixed", "prefill"))
+_RUNNER_MODULE = "fastdeploy.worker.gpu_model_runner"
+
+
+def _wrap(method: Callable, phase: str) -> Callable:
+    @functools.wraps(method)
+    def run_in_session(runner: Any, *args: Any, **kwargs: Any) -> Any:
+        if _active is not None:
+            return method(runner, *args, **kwargs)
+        with CaptureSession(phase, fd_config=getattr(runner, "fd_config", None)) as session:
+            if session.options.warmup == "warm_all_first":
+                # Warm every size before capturing any, so a workspace that grows at a smaller
+                # size cannot invalidate a graph captured earlier (TensorRT-LLM #16319).
+                session.pass_ = "warm"
+                method(runner, *args, **kwargs)
+                session.pass_ = "capture"
+            return method(runner, *args, **kwargs)
+
+    run_in_session._fd_cudagraph_original = method  # type: ignore[attr-defined]
+    return run_in_session
+
+
+def install_runner_hooks() -> bool:
+    """Wrap FastDeploy's capture loops in sessions. Idempotent; False if the runner isn't loaded.
+
+    ``register()`` runs while ``gpu_model_runner`` is still being imported, so this is called from
+    the first backend's constructor (the memory-profile run, before any capture) instead.
+    """
+    module = sys.modules.get(_RUNNER_MODULE)
+    runner = getattr(module, "GPUModelRunner", None)
+    if runner is None:
+        return False
+    for name, phase in _HOOKS:
+        method = runner.__dict__.get(name)
+        if method is not None and not hasattr(method, "_fd_cudagraph_original"):
+            setattr(runner, name, _wrap(method, phase))
+    return True
+
+
+def uninstall_runner_hooks() -> None:
+    module = sys.modules.get(_RUNNER_MODULE)
+    runner = getattr(module, "GPUModelRunner", None)
+    for name, _ in _HOOKS:
+        method = getattr(runner, "__dict__", {}).get(name)
+        original = getattr(method, "_fd_cudagraph_original", None)
+        if original is not None:
+            setattr(runner, name, original)
+
+
+@contextlib.contextmanager
+def no_session() -> Iterator[None]:
+    """For tests: make sure no session is active afterwards."""
+    try:
+        yield
+    finally:
+        reset_for_tests()

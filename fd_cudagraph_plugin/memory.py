@@ -1,0 +1,62 @@
+"""Graph memory pools, handed out by policy (``FD_CUDAGRAPH_POOL``).
+
+* ``device`` (default): every backend of the process (target model, MTP draft, any other decorated
+  backbone) captures into one pool. Sharing is safe because graphs of one device replay on one
+  stream, one at a time, so the scratch memory one graph reuses from another is never live in both
+  at once; and outputs that must survive a replay stay referenced, so no later capture is handed
+  their memory. Replaying graphs of one pool concurrently on several streams would break this.
+* ``instance``: one pool per backend, FastDeploy's ``use_unique_memory_pool=True``.
+* ``graph``: Paddle's private pool per graph; every graph pays for its own scratch memory.
+
+A shared pool stays until its last user clears its graphs, so clearing the draft model never frees
+memory the target model's graphs still use.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from fd_cudagraph_plugin.runtime import GraphRuntime
+
+
+class PoolManager:
+    def __init__(self, runtime: GraphRuntime) -> None:
+        self._runtime = runtime
+        self._device_pool: object | None = None
+        self._device_users: set[int] = set()
+
+    @property
+    def device_users(self) -> frozenset[int]:
+        return frozenset(self._device_users)
+
+    def acquire(self, policy: str, user: int) -> object | None:
+        """The pool backend ``user`` (its id) captures into; None: a private pool per graph."""
+        if policy == "graph":
+            return None
+        if policy == "instance":
+            return self._runtime.new_pool()
+        if self._device_pool is None:
+            self._device_pool = self._runtime.new_pool()
+        self._device_users.add(user)
+        return self._device_pool
+
+    def release(self, policy: str, pool: object | None, user: int) -> None:
+        """The backend released its graphs; drop the pool if nobody else captures into it."""
+        if pool is None:
+            return
+        if policy == "device":
+            self._device_users.discard(user)
+            if self._device_users or pool is not self._device_pool:
+                return
+            self._device_pool = None
+        self._runtime.release_pool(pool)
+
+
+_MANAGERS: weakref.WeakKeyDictionary[object, PoolManager] = weakref.WeakKeyDictionary()
+
+
+def pools_for(runtime: GraphRuntime) -> PoolManager:
+    manager = _MANAGERS.get(runtime)
+    if manager is None:
+        manager = _MANAGERS[runtime] = PoolManager(runtime)
+    return manager

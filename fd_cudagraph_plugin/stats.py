@@ -1,0 +1,181 @@
+"""Every backend of the process, their counters aggregated, logged and written out.
+
+Nothing here runs on the replay path: the hot path only bumps a per-token-count counter, and all
+figures are derived from those counters when someone asks (``stats()``, the periodic log line,
+the stats file, a Prometheus scrape).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import Counter
+from typing import Any
+
+logger = logging.getLogger("fd_cudagraph_plugin")
+
+STATS_FORMAT = "fd-cudagraph-stats/1"
+
+_backends: list[weakref.ref] = []
+_lock = threading.Lock()
+_reporter: _Reporter | None = None
+
+
+def register_backend(backend: Any) -> None:
+    """Track ``backend`` and set its ``role``: the first live backend is the target, later ones
+    drafts (FastDeploy builds the target model's backend first, at its profile run)."""
+    with _lock:
+        _backends[:] = [ref for ref in _backends if ref() is not None]
+        backend.role = "draft" if _backends else "target"
+        _backends.append(weakref.ref(backend))
+    _start_reporter(backend.settings.options)
+
+
+def live_backends() -> list[Any]:
+    with _lock:
+        return [b for b in (ref() for ref in _backends) if b is not None]
+
+
+def aggregate() -> dict[str, Any]:
+    """The counters of every live backend, summed, plus each backend's own ``stats()``."""
+    replays: Counter[int] = Counter()
+    fallbacks: Counter[str] = Counter()
+    per_backend = {}
+    captures = padded = graph_bytes = 0
+    for backend in live_backends():
+        own = backend.stats()
+        per_backend[f"{id(backend):#x}"] = own
+        captures += own["captures"]
+        padded += own["padded_tokens"]
+        graph_bytes += sum(own["graph_bytes"].values())
+        replays.update(own["replays"])
+        fallbacks.update(own["eager_fallbacks"])
+    return {
+        "backends": per_backend,
+        "captures": captures,
+        "replays": dict(sorted(replays.items())),
+        "eager_fallbacks": dict(fallbacks),
+        "padded_tokens": padded,
+        "graph_bytes": graph_bytes,
+    }
+
+
+def format_table(backend: Any) -> str:
+    """A per-size table of one backend: replays, padded tokens, capture time, graph memory."""
+    own = backend.stats()
+    lines = [
+        f"CUDA graph stats, backend {id(backend):#x} ({backend.role}): "
+        f"{own['captures']} captures, {sum(own['replays'].values())} replays, "
+        f"{own['padded_tokens']} padded tokens, eager fallbacks {own['eager_fallbacks'] or 0}",
+        f"{'size':>6} {'replays':>9} {'padded':>9} {'capture ms':>11} {'graph MiB':>10}",
+    ]
+    sizes = sorted(set(own["replays"]) | set(own["capture_seconds"]))
+    for size in sizes:
+        lines.append(
+            f"{size:>6} {own['replays'].get(size, 0):>9} "
+            f"{own['padded_tokens_per_size'].get(size, 0):>9} "
+            f"{own['capture_seconds'].get(size, 0.0) * 1e3:>11.1f} "
+            f"{own['graph_bytes'].get(size, 0) / (1 << 20):>10.1f}"
+        )
+    return "\n".join(lines)
+
+
+def log_summary(reason: str) -> None:
+    for backend in live_backends():
+        if backend.stats()["captures"] or backend.stats()["eager_fallbacks"]:
+            logger.info("%s (%s)\n%s", "CUDA graph summary", reason, format_table(backend))
+
+
+class StatsFile:
+    """Appends a backend's observed decode token counts, as increments, for ``fd-cudagraph tune``.
+
+    One JSON object per line: ``{"format": "fd-cudagraph-stats/1", "time": ..., "rank": ...,
+    "backend": "0x...", "decode_token_counts": {"<tokens>": <steps>, ...}}``. Summing the
+    counts of every line gives the histogram. Written only at flushes (periodic, on clear, at exit).
+    """
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path.replace("{rank}", str(rank))
+        self.rank = rank
+        self._written: dict[str, Counter[int]] = {}
+
+    def flush(self, backend: Any) -> None:
+        key = f"{id(backend):#x}"
+        current = backend.decode_token_counts()
+        previous = self._written.get(key, Counter())
+        increments = {
+            n: c - previous.get(n, 0) for n, c in current.items() if c > previous.get(n, 0)
+        }
+        if not increments:
+            return
+        line = {
+            "format": STATS_FORMAT,
+            "time": round(time.time(), 3),
+            "rank": self.rank,
+            "backend": key,
+            "decode_token_counts": {str(n): c for n, c in sorted(increments.items())},
+        }
+        directory = os.path.dirname(self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(line) + "\n")
+        self._written[key] = Counter(current)
+
+
+def flush_all() -> None:
+    for backend in live_backends():
+        backend.flush_stats()
+
+
+class _Reporter(threading.Thread):
+    """``FD_CUDAGRAPH_STATS_INTERVAL``: a log line and a stats-file flush every N seconds."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__(name="fd-cudagraph-stats", daemon=True)
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            totals = aggregate()
+            logger.info(
+                "CUDA graphs: %d replays, %d padded tokens, eager fallbacks %s, graph memory "
+                "%.0f MiB over %d backends",
+                sum(totals["replays"].values()),
+                totals["padded_tokens"],
+                totals["eager_fallbacks"] or 0,
+                totals["graph_bytes"] / (1 << 20),
+                len(totals["backends"]),
+            )
+            flush_all()
+
+
+def _start_reporter(options: Any) -> None:
+    global _reporter
+    if options.stats_interval > 0 and _reporter is None:
+        _reporter = _Reporter(options.stats_interval)
+        _reporter.start()
+    if options.metrics:
+        from fd_cudagraph_plugin import metrics
+
+        metrics.enable()
+
+
+def stop_reporter() -> None:
+    global _reporter
+    if _reporter is not None:
+        _reporter.stopped.set()
+        _reporter = None
+
+
+@atexit.register
+def _at_exit() -> None:
+    stop_reporter()
+    flush_all()
+    log_summary("process exit")

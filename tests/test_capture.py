@@ -1,0 +1,262 @@
+"""Capture sessions around FastDeploy's capture loops: report, GC, plan check, policies."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import paddle
+import pytest
+from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+from fd_cudagraph_plugin import capture
+from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.errors import CaptureError, RankMismatchError
+
+WORKER = Path(__file__).resolve().parent / "rank_worker.py"
+
+
+def runner_for(config, model_cls=DecoratedBackbone):
+    model = model_cls(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()  # builds the backend, which installs the session hooks
+    return model, runner
+
+
+def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered, caplog):
+    config = make_config(4)
+    model, runner = runner_for(config)
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    report = backend.capture_report
+    assert report is not None and report.phase == "decode"
+    assert [r.size for r in report.records] == [4, 2, 1]
+    assert report.graph_bytes == sum(r.graph_bytes for r in report.records) > 0
+    assert all(r.seconds > 0 and r.warmups == 2 for r in report.records)
+    summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured")]
+    assert len(summaries) == 1
+    assert re.fullmatch(
+        r"captured 3 graphs \(sizes 1\.\.4\) in \d+\.\d s, graph memory \d+ MiB "
+        r"\(largest graph \d+ MiB\), 2 warm-ups each",
+        summaries[0],
+    )
+    assert capture.active() is None and capture.sessions_ended() == 1
+
+
+def test_static_split_prefill_loop_gets_its_own_session(plugin_registered):
+    config = make_config(4, graph_opt_level=1, full_cuda_graph=False, max_capture_shape_prefill=8)
+    model, runner = runner_for(config)
+    runner.capture_model_prefill_and_mixed()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    assert backend.capture_report.phase == "prefill"
+    assert {r.phase for r in backend.capture_report.records} == {"prefill"}
+    runner.capture_model()
+    assert backend.capture_report.phase == "decode"
+
+
+def test_gc_is_frozen_during_the_session_and_restored_after_an_error(plugin_registered):
+    config = make_config(4)
+    seen = []
+
+    class Recording(DecoratedBackbone):
+        def forward(self, ids_remove_padding, forward_meta):
+            seen.append(gc.get_freeze_count())
+            if ids_remove_padding.shape[0] == 2 and capture.active() is not None:
+                raise RuntimeError("CUDA error: out of memory")
+            return super().forward(ids_remove_padding, forward_meta)
+
+    _, runner = runner_for(config, Recording)
+    seen.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.capture_model()
+    assert seen and all(count > 0 for count in seen)
+    assert gc.get_freeze_count() == 0
+    assert capture.active() is None
+
+
+def _run_ranks(tmp_path, plans: list[str]) -> list[subprocess.CompletedProcess]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), str(rank), str(len(plans)), plan],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, plan in enumerate(plans)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def test_rank_mismatch_is_raised_on_every_rank_instead_of_hanging(tmp_path):
+    results = _run_ranks(tmp_path, ["8,4,2,1", "8,4,2,1", "8,4,2"])
+    assert [r.returncode for r in results] == [3, 3, 3], [r.stderr[-2000:] for r in results]
+    for result in results:
+        assert "rank 2: backend0.capture_sizes: rank 0 [8, 4, 2, 1] vs rank 2 [8, 4, 2]" in (
+            result.stdout
+        )
+
+
+def test_matching_plans_pass_the_rank_check(tmp_path):
+    results = _run_ranks(tmp_path, ["8,4,2", "8,4,2"])
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+
+
+class OneRankDiffers:
+    """Two ranks; rank 1 differs from this one in one key."""
+
+    def __init__(self, **changes):
+        self.changes = changes
+
+    def all_gather(self, obj):
+        return [obj, {**obj, **self.changes}]
+
+
+def test_plan_check_diff_names_the_key_and_both_values(sim):
+    config = make_config(8)
+    model = TinyBackbone()
+    CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    exchange = OneRankDiffers(warmup_policy="largest_only")
+    expected = r"\. rank 1: warmup_policy: rank 0 'per_size' vs rank 1 'largest_only'\. Start"
+    with (
+        pytest.raises(RankMismatchError, match=expected),
+        capture.CaptureSession("decode", exchange=exchange),
+    ):
+        pass
+    assert capture.active() is None and gc.get_freeze_count() == 0
+
+
+def _captured_some(sizes):
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with capture.CaptureSession("decode"):
+        for size in sizes:
+            backend(**buffers.step(size))
+    return backend, model, buffers
+
+
+@pytest.mark.parametrize("policy", ["eager", "capture", "error"])
+def test_late_capture_policy(sim, monkeypatch, caplog, policy):
+    monkeypatch.setenv("FD_CUDAGRAPH_LATE_CAPTURE", policy)
+    backend, model, buffers = _captured_some([4, 2])
+    step = buffers.step(1, seed=3)
+    if policy == "error":
+        with pytest.raises(CaptureError, match="late CUDA graph capture of decode size 1"):
+            backend(**step)
+        return
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        out = backend(**step)
+        backend(**step)
+    assert paddle.allclose(out[:1], model.forward(**step)).item()
+    if policy == "eager":
+        assert backend.decode_entries[1].graph is None
+        assert backend.stats()["eager_fallbacks"] == {"late_capture": 2}
+        assert sum("late capture" in r.getMessage() for r in caplog.records) == 1
+    else:
+        assert backend.decode_entries[1].graph is not None
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected_events"),
+    [
+        ("per_graph", [("capture_enter",), ("register_graph_buffers",)] * 3),
+        ("session", [("capture_enter",), ("register_graph_buffers",)]),
+    ],
+)
+def test_custom_allreduce_registration_modes(
+    plugin_registered, recording_ar, monkeypatch, mode, expected_events
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_AR_REGISTRATION", mode)
+    config = make_config(4)
+    model, runner = runner_for(config)
+    recording_ar.events.clear()
+    runner.capture_model()
+    assert recording_ar.events == expected_events
+    out = runner.execute_step(3)
+    view = runner.share_inputs["ids"][:3]
+    assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()
+
+
+@pytest.mark.parametrize(
+    ("policy", "warmups", "loop_passes"),
+    [("per_size", [2, 2, 2], 1), ("largest_only", [2, 0, 0], 1), ("warm_all_first", [0, 0, 0], 2)],
+)
+def test_warmup_policies(plugin_registered, monkeypatch, policy, warmups, loop_passes):
+    monkeypatch.setenv("FD_CUDAGRAPH_WARMUP", policy)
+    config = make_config(4)
+    model, runner = runner_for(config)
+    capture.mark_warmed()
+    calls_before = model.calls
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    assert [r.warmups for r in backend.capture_report.records] == warmups
+    # Each loop pass runs a prefill and a decode step per size; warm_all_first runs it twice and
+    # warms every size (2 runs) in the first pass; a capture is one more run.
+    per_pass = 2 * 3
+    expected = loop_passes * per_pass + sum(warmups) + 3 + (6 if loop_passes == 2 else 0)
+    assert model.calls - calls_before == expected
+    for tokens in (1, 3, 4):
+        out = runner.execute_step(tokens)
+        view = runner.share_inputs["ids"][:tokens]
+        expected_out = model.forward(ids_remove_padding=view, forward_meta=None)
+        assert paddle.allclose(out, expected_out).item()
+
+
+def test_first_capture_in_a_process_follows_an_eager_run_even_with_zero_warmups(sim):
+    config = make_config(4, cudagraph_num_of_warmups=0)
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with capture.CaptureSession("decode") as session:
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    assert [r.warmups for r in session.report.records] == [1, 0, 0]
+
+
+def test_progress_bars_only_on_rank_zero(sim):
+    config = make_config(4)
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with capture.CaptureSession("decode", fd_config=config) as session:
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+        bars = dict(session._bars)
+    assert list(bars) == [("decode", f"{id(backend):#x}")]
+    assert bars[("decode", f"{id(backend):#x}")].total == 3
+    backend.clear_graph()
+    config.parallel_config.tensor_parallel_rank = 1
+    with capture.CaptureSession("decode", fd_config=config) as session:
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+        assert session._bars == {}
+
+
+def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, tmp_path):
+    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", str(tmp_path / "graphs-{rank}.json"))
+    config = make_config(4)
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with capture.CaptureSession("decode", fd_config=config):
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    report = json.loads((tmp_path / "graphs-0.json").read_text())
+    assert report["format"] == "fd-cudagraph-memory/1" and report["graphs"] == 3
+    assert [c["size"] for c in report["captures"]] == [4, 2, 1]
+    per_size = {c["size"]: c["graph_bytes"] for c in report["captures"]}
+    assert per_size == {4: 4 * 8 * 4, 2: 2 * 8 * 4, 1: 1 * 8 * 4}  # [size, hidden] float32
+    assert report["graph_bytes"] == sum(per_size.values())
+    assert report["largest_graph_bytes"] == 128

@@ -1,0 +1,206 @@
+"""Stats, the summary table, the stats file, Prometheus metrics and the replay guards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import paddle
+import pytest
+from conftest import Buffers, TinyBackbone, make_config, meta_for
+
+from fd_cudagraph_plugin import stats
+from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.guards import AddressGuardError, SelfCheckError
+
+
+def backend_for(model=None, **graph_args):
+    model = model or TinyBackbone()
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], **graph_args)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    return backend, model
+
+
+def capture_all(backend, buffers):
+    for size in backend.cudagraph_capture_sizes:
+        backend(**buffers.step(size))
+
+
+def test_counters_follow_a_scripted_sequence_of_steps(sim):
+    backend, _ = backend_for()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    for tokens in (3, 3, 1, 4, 0, 6, 2):
+        backend(**buffers.step(tokens))
+    prefill = buffers.step(5)
+    prefill["forward_meta"].exist_prefill = True
+    backend(**prefill)
+    stats_now = backend.stats()
+    assert stats_now["captures"] == 3
+    assert stats_now["replays"] == {1: 2, 2: 2, 4: 4}
+    assert stats_now["eager_fallbacks"] == {"zero_tokens": 1, "oversized": 1, "prefill": 1}
+    assert stats_now["padded_tokens"] == 2
+    assert stats_now["padded_tokens_per_size"] == {4: 2}
+    assert set(stats_now["capture_seconds"]) == {4, 2, 1}
+    assert backend.decode_token_counts() == {4: 2, 2: 2, 1: 2, 3: 2, 0: 1, 6: 1}
+
+
+def test_module_level_aggregate_sums_every_backend(sim):
+    first, _ = backend_for()
+    second, _ = backend_for()
+    buffers = Buffers()
+    capture_all(first, buffers)
+    capture_all(second, buffers)
+    first(**buffers.step(3))
+    totals = stats.aggregate()
+    assert {f"{id(first):#x}", f"{id(second):#x}"} <= set(totals["backends"])
+    assert totals["captures"] >= 6
+    assert totals["replays"][4] >= 3
+
+
+def test_summary_table_is_logged_on_clear_graph(sim, caplog):
+    backend, _ = backend_for()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    backend(**buffers.step(3))
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        backend.clear_graph()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "CUDA graph summary (clear_graph)" in text
+    assert "  size   replays    padded  capture ms  graph MiB" in text
+    assert "     4         2         1" in text
+
+
+def test_periodic_stats_line(sim, monkeypatch, caplog):
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_INTERVAL", "0.05")
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        backend, _ = backend_for()
+        capture_all(backend, Buffers())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if any("CUDA graphs: " in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.02)
+    assert any("CUDA graphs: " in r.getMessage() for r in caplog.records)
+
+
+def test_stats_file_appends_increments_tune_can_sum(sim, monkeypatch, tmp_path):
+    path = tmp_path / "stats-{rank}.jsonl"
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(path))
+    backend, _ = backend_for()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    for tokens in (3, 3, 1):
+        backend(**buffers.step(tokens))
+    backend.flush_stats()
+    backend(**buffers.step(3))
+    backend.flush_stats()
+    backend.flush_stats()  # nothing new: no line
+    lines = [json.loads(line) for line in (tmp_path / "stats-0.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    assert lines[0]["format"] == "fd-cudagraph-stats/1" and lines[0]["rank"] == 0
+    assert lines[0]["decode_token_counts"] == {"1": 2, "2": 1, "3": 2, "4": 1}
+    assert lines[1]["decode_token_counts"] == {"3": 1}
+
+
+def test_metrics_are_exported_when_enabled_and_absent_otherwise(sim, monkeypatch):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from fd_cudagraph_plugin import metrics
+
+    backend, _ = backend_for()
+    capture_all(backend, Buffers())
+    assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
+    monkeypatch.setenv("FD_CUDAGRAPH_METRICS", "1")
+    try:
+        enabled, _ = backend_for()
+        capture_all(enabled, Buffers())
+        text = prometheus_client.generate_latest().decode()
+        label = f'backend="{id(enabled):#x}"'
+        assert any(
+            line.startswith("fd_cudagraph_replays_total{") and label in line and 'size="4"' in line
+            for line in text.splitlines()
+        )
+        assert "fd_cudagraph_graph_memory_bytes{" in text
+        assert "fd_cudagraph_captures_total{" in text
+    finally:
+        metrics.disable()
+    assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
+
+
+@pytest.mark.parametrize(("mode", "ok_replays"), [("always", 0), ("sampled:3", 2)])
+def test_address_guard_catches_a_swapped_input(sim, monkeypatch, mode, ok_replays):
+    monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", mode)
+    backend, _ = backend_for()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    swapped = paddle.full([4], 3, dtype="int64")  # a new tensor, not the persistent buffer
+    for _ in range(ok_replays):
+        backend(ids_remove_padding=swapped, forward_meta=meta_for(swapped))
+    with pytest.raises(AddressGuardError, match=r"size 4 reads input 'ids_remove_padding'"):
+        backend(ids_remove_padding=swapped, forward_meta=meta_for(swapped))
+
+
+def test_address_guard_passes_persistent_buffers(sim, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", "always")
+    backend, model = backend_for()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    for tokens in (3, 4, 1, 2):
+        step = buffers.step(tokens, seed=tokens)
+        assert paddle.allclose(backend(**step)[:tokens], model.forward(**step)).item()
+
+
+class FrozenHostValue(TinyBackbone):
+    """Adds a host-side step counter: a real graph freezes it at capture, eager does not."""
+
+    def __init__(self, runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.counter = 0
+        self.frozen = 0
+
+    def forward(self, ids_remove_padding, forward_meta):
+        self.counter += 1
+        if not self.runtime.replaying:
+            self.frozen = self.counter
+        return super().forward(ids_remove_padding, forward_meta) + float(self.frozen)
+
+
+def test_self_check_warn_serves_the_size_eagerly(sim, monkeypatch, caplog):
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "warn")
+    model = FrozenHostValue(sim)
+    backend, _ = backend_for(model)
+    buffers = Buffers()
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        capture_all(backend, buffers)
+    assert any("self-check failed for decode size 4" in r.getMessage() for r in caplog.records)
+    assert all(entry.disabled for entry in backend.decode_entries.values())
+    step = buffers.step(3)
+    out = backend(**step)
+    assert out.shape[0] == 3  # eager, not a padded graph output
+    assert backend.stats()["eager_fallbacks"]["self_check_failed"] == 4
+
+
+def test_self_check_error_raises(sim, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "error")
+    backend, _ = backend_for(FrozenHostValue(sim))
+    with pytest.raises(SelfCheckError, match="size 4: output 0 differs"):
+        backend(**Buffers().step(4))
+
+
+def test_self_check_passes_a_capturable_model(sim, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "error")
+    backend, _ = backend_for()
+    capture_all(backend, Buffers())
+    assert not any(entry.disabled for entry in backend.decode_entries.values())
+
+
+def test_dump_dot_says_once_when_the_runtime_cannot(sim, monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("FD_CUDAGRAPH_DUMP_DOT", "1")
+    monkeypatch.setenv("FD_LOG_DIR", str(tmp_path))
+    backend, _ = backend_for()
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        capture_all(backend, Buffers())
+    assert sum("cannot write dot files" in r.getMessage() for r in caplog.records) == 1
+    assert (tmp_path / "GraphDotFiles").is_dir()
