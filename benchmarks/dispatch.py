@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import random
 import sys
 import timeit
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in token_counts
     ]
 
-    def captured(cls):
+    def captured(cls, check_addresses: str = "off"):
+        os.environ["FD_CUDAGRAPH_CHECK_ADDRESSES"] = check_addresses
         backend = cls(
             fd_config=config,
             dy_runnable=model_forward,
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for size in sizes:
             backend(ids_remove_padding=buffer[:size], forward_meta=ForwardMeta(buffer[:size], True))
+        del os.environ["FD_CUDAGRAPH_CHECK_ADDRESSES"]
         return backend
 
     ours = captured(CudaGraphBackend)
@@ -167,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{hot_path})"
     )
     print(f"  pure-Python fallback:        {twin_us:7.3f} us  (overhead {twin_us - base:.3f} us)")
+    for mode in ("sampled:100", "always"):
+        guarded = per_call_us(run(captured(CudaGraphBackend, mode)), args.number, args.repeat)
+        print(
+            f"  with FD_CUDAGRAPH_CHECK_ADDRESSES={mode}: {guarded:7.3f} us "
+            f"(overhead {guarded - base:.3f} us)"
+        )
 
     if args.fastdeploy_backend is not None:
         native_module = load_fastdeploy_backend(args.fastdeploy_backend)

@@ -20,6 +20,8 @@ typedef struct {
     PyObject *results; /* list: token count -> the captured result */
     Py_ssize_t length;
     unsigned long long *hits;
+    Py_ssize_t period; /* > 0: every period-th servable call goes to _dispatch (sampled checks) */
+    Py_ssize_t ticks;
 } FastDispatch;
 
 static PyObject *str_forward_meta, *str_ids, *str_shape, *str_exist_prefill, *str_dispatch;
@@ -114,6 +116,22 @@ fd_fast_set(FastDispatch *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* _fast_period(n): send every n-th call that the tables could serve to _dispatch; 0 turns it off. */
+static PyObject *
+fd_fast_period(FastDispatch *self, PyObject *arg)
+{
+    Py_ssize_t period = PyLong_AsSsize_t(arg);
+    if (period < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "period must be >= 0");
+        }
+        return NULL;
+    }
+    self->period = period;
+    self->ticks = 0;
+    Py_RETURN_NONE;
+}
+
 /* _fast_hits(): the per-token-count hit counters as a list of ints. */
 static PyObject *
 fd_fast_hits(FastDispatch *self, PyObject *Py_UNUSED(ignored))
@@ -196,6 +214,10 @@ fd_call(PyObject *op, PyObject *args, PyObject *kwargs)
             if (is_prefill < 0) {
                 goto done;
             }
+            if (!is_prefill && self->period > 0 && ++self->ticks >= self->period) {
+                self->ticks = 0;
+                is_prefill = 1; /* not really: this call is sampled for _dispatch's checks */
+            }
             if (!is_prefill) {
                 Py_INCREF(replay);
                 PyObject *ignored = PyObject_CallNoArgs(replay);
@@ -221,6 +243,7 @@ static PyMethodDef fd_methods[] = {
     {"_fast_init", (PyCFunction)fd_fast_init, METH_O, "Reset the tables to a length."},
     {"_fast_set", (PyCFunction)fd_fast_set, METH_VARARGS, "Serve a token count by a replay."},
     {"_fast_hits", (PyCFunction)fd_fast_hits, METH_NOARGS, "Per-token-count hit counters."},
+    {"_fast_period", (PyCFunction)fd_fast_period, METH_O, "Divert every n-th call to _dispatch."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -62,7 +62,6 @@ class GraphEntry:
         "graph_bytes",
         "replays",
         "addresses",
-        "guard_ticks",
         "disabled",
     )
 
@@ -81,7 +80,6 @@ class GraphEntry:
         self.replays = 0
         #: Input data pointers at capture, when the address guard is on.
         self.addresses: tuple[tuple[str, int], ...] = ()
-        self.guard_ticks = 0
         #: The self-check found this graph wrong: the size is served eagerly.
         self.disabled = False
 
@@ -141,6 +139,8 @@ class _BackendCore:
         if options.stats_file:
             self._stats_file = stats.StatsFile(options.stats_file, settings.tp_rank)
         self._reset_entries()
+        # The address guard checks in _dispatch; the fast path sends it every Nth call.
+        self._fast_period(self._guard_every)
         stats.register_backend(self)
         capture.install_runner_hooks()
         if settings.padding_disagreements:
@@ -282,13 +282,10 @@ class _BackendCore:
         return table[running] if running < len(table) else 0
 
     def _replay(self, entry: GraphEntry, tokens: int, kwargs: dict, guard: bool = True) -> Any:
-        if self._guard_every and guard:
-            entry.guard_ticks += 1
-            if entry.guard_ticks >= self._guard_every:
-                entry.guard_ticks = 0
-                from fd_cudagraph_plugin import guards
+        if self._guard_every and guard and entry.addresses:
+            from fd_cudagraph_plugin import guards
 
-                guards.check_addresses(entry.addresses, kwargs, entry.size)
+            guards.check_addresses(entry.addresses, kwargs, entry.size)
         entry.graph.replay()
         entry.replays += 1
         self._slow_padded += max(entry.size - tokens, 0)
@@ -453,11 +450,10 @@ class _BackendCore:
     def _publish(self, entry: GraphEntry) -> None:
         """Let the fast path serve every token count that pads to this entry's size.
 
-        Not for speculative keys, prefill-only graphs, disabled entries, or while the address
-        guard is on (it checks in the Python replay path).
+        Not for speculative keys, prefill-only graphs or disabled entries.
         """
         settings = self.settings
-        if settings.speculative or settings.only_prefill or entry.disabled or self._guard_every:
+        if settings.speculative or settings.only_prefill or entry.disabled:
             return
         replay = entry.graph.replay
         for tokens in range(1, entry.size + 1):

@@ -14,11 +14,20 @@ from typing import Any
 class PyDispatch:
     """Pure-Python twin of the C ``FastDispatch``."""
 
+    _fast_every = 0  # see _fast_period
+    _fast_ticks = 0
+
     def _fast_init(self, length: int) -> None:
         self._fast_replays: list = [None] * length
         self._fast_results: list = [None] * length
         self._fast_counts = [0] * length
         self._fast_length = length
+
+    def _fast_period(self, period: int) -> None:
+        if period < 0:
+            raise ValueError("period must be >= 0")
+        self._fast_every = period
+        self._fast_ticks = 0
 
     def _fast_set(self, tokens: int, replay: Any, result: Any) -> None:
         if not 0 <= tokens < self._fast_length:
@@ -34,11 +43,23 @@ class PyDispatch:
         tokens = meta.ids_remove_padding.shape[0]
         if tokens < self._fast_length:
             replay = self._fast_replays[tokens]
-            if replay is not None and not meta.exist_prefill:
+            if (
+                replay is not None
+                and not meta.exist_prefill
+                and not (self._fast_every and self._sampled())
+            ):
                 replay()
                 self._fast_counts[tokens] += 1
                 return self._fast_results[tokens]
         return self._dispatch(kwargs, meta)
+
+    def _sampled(self) -> bool:
+        """True on every ``period``-th servable call: it goes to ``_dispatch`` for checks."""
+        self._fast_ticks += 1
+        if self._fast_ticks < self._fast_every:
+            return False
+        self._fast_ticks = 0
+        return True
 
     def _dispatch(self, kwargs: dict, meta: Any) -> Any:
         raise NotImplementedError

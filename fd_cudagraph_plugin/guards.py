@@ -48,10 +48,22 @@ def input_addresses(kwargs: dict) -> tuple[tuple[str, int], ...]:
     return tuple((name, tensor.data_ptr()) for name, tensor in found)
 
 
+def _current_pointer(kwargs: dict, name: str) -> int | None:
+    base, _, index = name.partition("[")
+    if base.startswith("forward_meta."):
+        value = getattr(kwargs.get("forward_meta"), base[len("forward_meta.") :], None)
+    else:
+        value = kwargs.get(base)
+    if index and isinstance(value, (list, tuple)):
+        position = int(index[:-1])
+        value = value[position] if position < len(value) else None
+    return value.data_ptr() if isinstance(value, paddle.Tensor) else None
+
+
 def check_addresses(captured: tuple[tuple[str, int], ...], kwargs: dict, size: int) -> None:
-    now = dict(input_addresses(kwargs))
+    """Compare the inputs recorded at capture (only those) with this call's."""
     for name, pointer in captured:
-        current = now.get(name)
+        current = _current_pointer(kwargs, name)
         if current != pointer:
             where = "is gone" if current is None else f"is now at {current:#x}"
             raise AddressGuardError(

@@ -11,14 +11,14 @@ import pytest
 from conftest import Buffers, TinyBackbone, make_config, meta_for
 
 from fd_cudagraph_plugin import stats
-from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.backend import CudaGraphBackend, PyCudaGraphBackend
 from fd_cudagraph_plugin.guards import AddressGuardError, SelfCheckError
 
 
-def backend_for(model=None, **graph_args):
+def backend_for(model=None, cls=CudaGraphBackend, **graph_args):
     model = model or TinyBackbone()
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], **graph_args)
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    backend = cls(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     return backend, model
 
 
@@ -128,10 +128,11 @@ def test_metrics_are_exported_when_enabled_and_absent_otherwise(sim, monkeypatch
     assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
 
 
+@pytest.mark.parametrize("cls", [CudaGraphBackend, PyCudaGraphBackend], ids=["c", "python"])
 @pytest.mark.parametrize(("mode", "ok_replays"), [("always", 0), ("sampled:3", 2)])
-def test_address_guard_catches_a_swapped_input(sim, monkeypatch, mode, ok_replays):
+def test_address_guard_catches_a_swapped_input(sim, monkeypatch, mode, ok_replays, cls):
     monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", mode)
-    backend, _ = backend_for()
+    backend, _ = backend_for(cls=cls)
     buffers = Buffers()
     capture_all(backend, buffers)
     swapped = paddle.full([4], 3, dtype="int64")  # a new tensor, not the persistent buffer
