@@ -60,6 +60,8 @@ class CaptureReport:
     warmup_policy: str
     ar_registration: str
     seconds: float = 0.0
+    #: Of ``seconds``: the one-off start (gc.collect and freeze, the plan exchange).
+    setup_seconds: float = 0.0
     records: list[CaptureRecord] = field(default_factory=list)
 
     @property
@@ -94,6 +96,7 @@ class CaptureReport:
             "phase": self.phase,
             "rank": self.rank,
             "seconds": round(self.seconds, 6),
+            "setup_seconds": round(self.setup_seconds, 6),
             "graphs": self.graphs,
             "graph_bytes": self.graph_bytes,
             "largest_graph_bytes": self.largest_graph_bytes,
@@ -219,6 +222,7 @@ class CaptureSession:
         _active = self
         try:
             self.check_plan()
+            self.report.setup_seconds = time.perf_counter() - self._started
             if self.options.ar_registration == "session":
                 # One registration collective for the whole session instead of one per graph.
                 # Warm-ups inside this context all-reduce into placeholder buffers (FastDeploy's

@@ -1,0 +1,173 @@
+"""Capture-session time per size: FastDeploy's backend against the plugin's warm-up policies.
+
+CPU and repeatable. The model's eager forward has a fixed cost (``--eager-ms``, a sleep), graphs
+are no-ops to replay, and FastDeploy's own ``capture_model()`` loop (the stand-in runner under
+``tests/fastdeploy_stub``) drives both backends, so the difference is what each backend runs
+eagerly per size: warm-ups, the captured run, and the replay that ends a capture.
+
+It also measures what the session's ``gc.freeze()`` buys: a full ``gc.collect()`` over a heap the
+size of ``--heap-objects``, frozen and not (libraries such as PyTorch collect at every capture).
+
+    python benchmarks/capture.py \
+        --fastdeploy-backend ../shared/seed/cudagraph_piecewise_backend.py.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "fastdeploy_stub"))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import paddle  # noqa: E402
+from conftest import TinyBackbone, make_config  # noqa: E402
+from dispatch import NoopGraph, load_fastdeploy_backend  # noqa: E402
+from fastdeploy.model_executor.graph_optimization import graph_optimization_backend  # noqa: E402
+from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E402
+    support_graph_optimization,
+)
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+
+from fd_cudagraph_plugin import capture, runtime  # noqa: E402
+from fd_cudagraph_plugin.backend import CudaGraphBackend  # noqa: E402
+
+EAGER_SECONDS = 0.002
+
+
+@support_graph_optimization
+class FixedCostBackbone(TinyBackbone):
+    def forward(self, ids_remove_padding, forward_meta):
+        time.sleep(EAGER_SECONDS)
+        return super().forward(ids_remove_padding, forward_meta)
+
+
+class NoopCaptureRuntime:
+    """Captures by running once; replay costs nothing, as a GPU replay costs the host little."""
+
+    name = "simulated"
+    real_graphs = False
+
+    def new_pool(self):
+        return None
+
+    def release_pool(self, pool) -> None:
+        return None
+
+    def capture(self, fn, pool):
+        return NoopGraph(), fn()
+
+    def synchronize(self) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def pool_bytes(self, pool) -> int:
+        return 0
+
+    def dump_dot(self, graph, path) -> bool:
+        return False
+
+
+class NoopCudaGraph:
+    """Stands in for ``paddle.device.cuda.graphs.CUDAGraph`` inside FastDeploy's backend."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def capture_begin(self) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+def time_capture(backend_class, max_num_seqs: int) -> tuple[float, float, int]:
+    """Seconds for capture_model(), of which one-off session setup, and the number of sizes."""
+    graph_optimization_backend.CudaGraphPiecewiseBackend = backend_class
+    config = make_config(max_num_seqs)
+    model = FixedCostBackbone(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()
+    capture.reset_for_tests()
+    capture.mark_warmed()  # as after FastDeploy's profile run
+    started = time.perf_counter()
+    runner.capture_model()
+    elapsed = time.perf_counter() - started
+    capture.uninstall_runner_hooks()
+    report = getattr(model.graph_opt_backend.cudagraph_piecewise_backend, "capture_report", None)
+    setup = report.setup_seconds if report is not None else 0.0
+    return elapsed, setup, len(config.graph_opt_config.cudagraph_capture_sizes)
+
+
+def gc_collect_seconds(heap_objects: int, frozen: bool) -> float:
+    heap = [{"i": i} for i in range(heap_objects)]
+    gc.collect()
+    if frozen:
+        gc.freeze()
+    started = time.perf_counter()
+    gc.collect()
+    elapsed = time.perf_counter() - started
+    if frozen:
+        gc.unfreeze()
+    del heap
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    global EAGER_SECONDS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fastdeploy-backend", type=Path, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--eager-ms", type=float, default=2.0)
+    parser.add_argument("--heap-objects", type=int, default=2_000_000)
+    args = parser.parse_args(argv)
+    EAGER_SECONDS = args.eager_ms / 1e3
+
+    os.environ["FD_CUDAGRAPH_RUNTIME"] = "simulated"
+    runtime.install_runtime(NoopCaptureRuntime())
+    rows = []
+    if args.fastdeploy_backend is not None:
+        native = load_fastdeploy_backend(args.fastdeploy_backend)
+        native.graphs = type("graphs", (), {"CUDAGraph": NoopCudaGraph})
+        paddle.device.synchronize = lambda *a, **k: None  # CPU Paddle refuses; a GPU would wait
+        timing = time_capture(native.CudaGraphPiecewiseBackend, args.max_num_seqs)
+        rows.append(("FastDeploy backend", *timing))
+    for policy in ("per_size", "largest_only", "warm_all_first"):
+        os.environ["FD_CUDAGRAPH_WARMUP"] = policy
+        timing = time_capture(CudaGraphBackend, args.max_num_seqs)
+        rows.append((f"plugin, FD_CUDAGRAPH_WARMUP={policy}", *timing))
+
+    print(
+        f"capture_model() over {rows[0][3]} sizes (max_num_seqs={args.max_num_seqs}), "
+        f"eager forward {args.eager_ms:g} ms, 2 warm-ups per size (FastDeploy's default).\n"
+        f"Per size excludes the session's one-off setup (gc.collect + freeze), shown apart."
+    )
+    reference = (rows[0][1] - rows[0][2]) / rows[0][3]
+    for name, elapsed, setup, sizes in rows:
+        per_size = (elapsed - setup) / sizes
+        print(
+            f"  {name:44s} total {elapsed * 1e3:6.1f} ms (setup {setup * 1e3:4.1f} ms)  "
+            f"{per_size * 1e3:6.2f} ms/size  x{reference / per_size:.2f} vs {rows[0][0]}"
+        )
+    unfrozen = gc_collect_seconds(args.heap_objects, frozen=False)
+    frozen = gc_collect_seconds(args.heap_objects, frozen=True)
+    print(
+        f"gc.collect() over {args.heap_objects} live objects: {unfrozen * 1e3:.1f} ms unfrozen, "
+        f"{frozen * 1e3:.2f} ms frozen (x{unfrozen / max(frozen, 1e-9):.0f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
