@@ -37,7 +37,12 @@ from fd_cudagraph_plugin.options import PluginOptions
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
-_MIB = 1 << 20
+
+def human_bytes(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,8 @@ class CaptureReport:
         return (
             f"captured {self.graphs} graphs (sizes {sizes[0]}..{sizes[-1]}"
             f"{f', {backends} backends' if backends > 1 else ''}) in {self.seconds:.1f} s, "
-            f"graph memory {self.graph_bytes / _MIB:.0f} MiB "
-            f"(largest graph {self.largest_graph_bytes / _MIB:.0f} MiB), {warm} warm-ups each"
+            f"graph memory {human_bytes(self.graph_bytes)} "
+            f"(largest graph {human_bytes(self.largest_graph_bytes)}), {warm} warm-ups each"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -324,7 +329,7 @@ class CaptureSession:
             )
             self._bars[(label, record.backend)] = bar
         graph_bytes = sum(r.graph_bytes for r in self.report.records if r.backend == record.backend)
-        bar.set_postfix_str(f"size {record.size}, graph memory {graph_bytes / _MIB:.0f} MiB")
+        bar.set_postfix_str(f"size {record.size}, graph memory {human_bytes(graph_bytes)}")
         bar.update(1)
 
 

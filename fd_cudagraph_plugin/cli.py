@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from fd_cudagraph_plugin.errors import CudaGraphPluginError
@@ -32,6 +33,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
         return 2
     from fd_cudagraph_plugin.demo import format_report, run_demo
+
+    # The demo prints the capture summary and the stats table itself; keep warnings only.
+    logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
 
     report = run_demo(sizes=args.sizes, steps=args.steps, seed=args.seed, runtime_name=args.runtime)
     print(format_report(report))

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from fd_cudagraph_plugin.sizes import padding_table
+from fd_cudagraph_plugin.stats import format_table
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32)
 
@@ -40,6 +41,7 @@ class DemoReport:
     eager_above_max: int = 0
     graph_seconds: float = 0.0
     eager_seconds: float = 0.0
+    capture_summary: str = ""
     stats: dict = field(default_factory=dict)
 
 
@@ -143,6 +145,7 @@ def run_demo(
     import paddle
 
     from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.capture import CaptureSession
     from fd_cudagraph_plugin.runtime import make_runtime
 
     sizes = sorted(set(sizes or DEFAULT_SIZES), reverse=True)
@@ -176,8 +179,11 @@ def run_demo(
         return backend(**kwargs), kwargs
 
     with paddle.no_grad():
-        for size in sizes:  # capture_model(): largest first, exact sizes
-            step(size)
+        # capture_model(): exact sizes, largest first, in a capture session as in FastDeploy.
+        with CaptureSession("decode", fd_config=fd_config) as session:
+            for size in sizes:
+                step(size)
+        report.capture_summary = session.report.summary()
         for _ in range(steps):
             tokens = rng.choice(
                 [rng.randint(1, max_size)] * 9 + [rng.randint(max_size + 1, 2 * max_size)]
@@ -209,17 +215,12 @@ def format_report(report: DemoReport) -> str:
             "runtime (CUDA-graph replay semantics on the CPU); step times are not GPU figures"
         )
     stats = report.stats
-    lines.append(f"captured sizes: {', '.join(map(str, sorted(report.sizes)))}")
-    lines.append(f"{'size':>6} {'replays':>8} {'padded tokens':>14}")
-    for size in sorted(report.sizes):
-        replays = stats["replays"].get(size, 0)
-        padded = stats["padded_tokens_per_size"].get(size, 0)
-        lines.append(f"{size:>6} {replays:>8} {padded:>14}")
+    lines.append(report.capture_summary)
+    lines.append(format_table(stats, f"served {report.steps} decode steps"))
     fallbacks = sum(stats["eager_fallbacks"].values()) + report.eager_above_max
     lines.append(
-        f"steps {report.steps}, eager fallbacks {fallbacks} "
-        f"(above largest size {report.eager_above_max}, in backend {stats['eager_fallbacks']}), "
-        f"padded tokens {stats['padded_tokens']}"
+        f"eager fallbacks {fallbacks} (above the largest size, routed by GraphOptBackend: "
+        f"{report.eager_above_max}; in the backend: {stats['eager_fallbacks'] or 0})"
     )
     if report.real_graphs:
         lines.append(

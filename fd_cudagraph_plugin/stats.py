@@ -65,12 +65,10 @@ def aggregate() -> dict[str, Any]:
     }
 
 
-def format_table(backend: Any) -> str:
-    """A per-size table of one backend: replays, padded tokens, capture time, graph memory."""
-    own = backend.stats()
+def format_table(own: dict[str, Any], title: str) -> str:
+    """A per-size table of one backend's ``stats()``: replays, padding, capture time, memory."""
     lines = [
-        f"CUDA graph stats, backend {id(backend):#x} ({backend.role}): "
-        f"{own['captures']} captures, {sum(own['replays'].values())} replays, "
+        f"{title}: {own['captures']} captures, {sum(own['replays'].values())} replays, "
         f"{own['padded_tokens']} padded tokens, eager fallbacks {own['eager_fallbacks'] or 0}",
         f"{'size':>6} {'replays':>9} {'padded':>9} {'capture ms':>11} {'graph MiB':>10}",
     ]
@@ -80,15 +78,17 @@ def format_table(backend: Any) -> str:
             f"{size:>6} {own['replays'].get(size, 0):>9} "
             f"{own['padded_tokens_per_size'].get(size, 0):>9} "
             f"{own['capture_seconds'].get(size, 0.0) * 1e3:>11.1f} "
-            f"{own['graph_bytes'].get(size, 0) / (1 << 20):>10.1f}"
+            f"{own['graph_bytes'].get(size, 0) / (1 << 20):>10.3f}"
         )
     return "\n".join(lines)
 
 
 def log_summary(reason: str) -> None:
     for backend in live_backends():
-        if backend.stats()["captures"] or backend.stats()["eager_fallbacks"]:
-            logger.info("%s (%s)\n%s", "CUDA graph summary", reason, format_table(backend))
+        own = backend.stats()
+        if own["captures"] or own["eager_fallbacks"]:
+            title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
+            logger.info("%s", format_table(own, title))
 
 
 class StatsFile:

@@ -43,8 +43,8 @@ def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered
     summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured")]
     assert len(summaries) == 1
     assert re.fullmatch(
-        r"captured 3 graphs \(sizes 1\.\.4\) in \d+\.\d s, graph memory \d+ MiB "
-        r"\(largest graph \d+ MiB\), 2 warm-ups each",
+        r"captured 3 graphs \(sizes 1\.\.4\) in \d+\.\d s, graph memory 224 B "
+        r"\(largest graph 128 B\), 2 warm-ups each",
         summaries[0],
     )
     assert capture.active() is None and capture.sessions_ended() == 1
