@@ -511,8 +511,7 @@ class _BackendCore:
         before any capture, is harmless. A pool shared with other backends stays until its last
         user clears.
         """
-        if self.captures:
-            stats.log_summary("clear_graph")
+        stats.log_summary("clear_graph", [self])
         self.flush_stats()
         allreduce.clear_ipc_handles()
         for entry in (*self.decode_entries.values(), *self.prefill_entries.values()):

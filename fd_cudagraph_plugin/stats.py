@@ -83,8 +83,9 @@ def format_table(own: dict[str, Any], title: str) -> str:
     return "\n".join(lines)
 
 
-def log_summary(reason: str) -> None:
-    for backend in live_backends():
+def log_summary(reason: str, backends: list[Any] | None = None) -> None:
+    """Log the table of each backend (every live one by default) that captured or fell back."""
+    for backend in live_backends() if backends is None else backends:
         own = backend.stats()
         if own["captures"] or own["eager_fallbacks"]:
             title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
