@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -336,7 +336,21 @@ class CaptureSession:
 # ---------------------------------------------------------------------------- runner hooks
 
 _HOOKS = (("capture_model", "decode"), ("capture_model_prefill_and_mixed", "prefill"))
-_RUNNER_MODULE = "fastdeploy.worker.gpu_model_runner"
+# The runners with their own CUDA-graph capture loops: GPU (and its DCU and Iluvatar subclasses)
+# and MetaX MACA. The MTP proposer has none; its draft captures inside the target's loop.
+_RUNNERS = (
+    ("fastdeploy.worker.gpu_model_runner", "GPUModelRunner"),
+    ("fastdeploy.worker.metax_model_runner", "MetaxModelRunner"),
+)
+
+
+def _loaded_runners() -> list[type]:
+    found = []
+    for module_name, class_name in _RUNNERS:
+        runner = getattr(sys.modules.get(module_name), class_name, None)
+        if runner is not None:
+            found.append(runner)
+    return found
 
 
 def _wrap(method: Callable, phase: str) -> Callable:
@@ -363,31 +377,18 @@ def install_runner_hooks() -> bool:
     ``register()`` runs while ``gpu_model_runner`` is still being imported, so this is called from
     the first backend's constructor (the memory-profile run, before any capture) instead.
     """
-    module = sys.modules.get(_RUNNER_MODULE)
-    runner = getattr(module, "GPUModelRunner", None)
-    if runner is None:
-        return False
-    for name, phase in _HOOKS:
-        method = runner.__dict__.get(name)
-        if method is not None and not hasattr(method, "_fd_cudagraph_original"):
-            setattr(runner, name, _wrap(method, phase))
-    return True
+    runners = _loaded_runners()
+    for runner in runners:
+        for name, phase in _HOOKS:
+            method = runner.__dict__.get(name)
+            if method is not None and not hasattr(method, "_fd_cudagraph_original"):
+                setattr(runner, name, _wrap(method, phase))
+    return bool(runners)
 
 
 def uninstall_runner_hooks() -> None:
-    module = sys.modules.get(_RUNNER_MODULE)
-    runner = getattr(module, "GPUModelRunner", None)
-    for name, _ in _HOOKS:
-        method = getattr(runner, "__dict__", {}).get(name)
-        original = getattr(method, "_fd_cudagraph_original", None)
-        if original is not None:
-            setattr(runner, name, original)
-
-
-@contextlib.contextmanager
-def no_session() -> Iterator[None]:
-    """For tests: make sure no session is active afterwards."""
-    try:
-        yield
-    finally:
-        reset_for_tests()
+    for runner in _loaded_runners():
+        for name, _ in _HOOKS:
+            original = getattr(runner.__dict__.get(name), "_fd_cudagraph_original", None)
+            if original is not None:
+                setattr(runner, name, original)
