@@ -264,7 +264,9 @@ class _BackendCore:
             if not self._may_capture(entry, tokens):
                 return self._eager("late_capture", tokens, kwargs)
             if not self._capture(entry, kwargs):
-                return self.dy_runnable(**kwargs)
+                result = self.dy_runnable(**kwargs)
+                capture.mark_warmed()
+                return result
             if entry.disabled:
                 return self._eager("self_check_failed", tokens, kwargs)
             # The capturing call returns real outputs too; it ran on the captured inputs, so the
@@ -371,12 +373,15 @@ class _BackendCore:
         return allreduce.capture_context()
 
     def _capture(self, entry: GraphEntry, kwargs: dict) -> bool:
-        """Warm up and capture ``entry``; False in a warm-only pass (nothing captured)."""
+        """Warm up and capture ``entry``; False in a warm-only pass (nothing captured).
+
+        In a warm-only pass the caller's eager run of this step is the last warm-up.
+        """
         session = capture.active()
         runnable = self.dy_runnable
         warmups = self._warmup_count(session)
         if session is not None and session.warm_pass:
-            self._warm_up(runnable, kwargs, warmups)
+            self._warm_up(runnable, kwargs, warmups - 1)
             return False
         self._check_order(entry.size)
         if self.pool is None:

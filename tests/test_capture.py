@@ -202,10 +202,11 @@ def test_warmup_policies(plugin_registered, monkeypatch, policy, warmups, loop_p
     runner.capture_model()
     backend = model.graph_opt_backend.cudagraph_piecewise_backend
     assert [r.warmups for r in backend.capture_report.records] == warmups
-    # Each loop pass runs a prefill and a decode step per size; warm_all_first runs it twice and
-    # warms every size (2 runs) in the first pass; a capture is one more run.
-    per_pass = 2 * 3
-    expected = loop_passes * per_pass + sum(warmups) + 3 + (6 if loop_passes == 2 else 0)
+    # A loop pass runs a prefill step per size; the capturing pass adds each size's warm-ups, its
+    # captured run and the replay that ends a capture (the simulated runtime re-executes it).
+    # warm_all_first first runs a warm-only pass: a prefill step plus 2 warm-ups per size.
+    sizes = 3
+    expected = sizes + sum(warmups) + 2 * sizes + (sizes * (1 + 2) if loop_passes == 2 else 0)
     assert model.calls - calls_before == expected
     for tokens in (1, 3, 4):
         out = runner.execute_step(tokens)
