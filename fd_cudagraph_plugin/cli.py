@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
 from fd_cudagraph_plugin.errors import CudaGraphPluginError
+from fd_cudagraph_plugin.plan import SPEC_METHODS
 
 
 def _sizes(text: str) -> list[int]:
@@ -42,6 +44,121 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report.mismatches == 0 else 1
 
 
+def _json(document: dict) -> str:
+    """Valid JSON with one top-level key per line, each value compact (maps run to 512 keys)."""
+    rows = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in document.items()]
+    return "{\n" + ",\n".join(rows) + "\n}"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from fd_cudagraph_plugin.plan import PlanInput, derive_plan, format_plan
+
+    plan = derive_plan(
+        PlanInput(
+            max_num_seqs=args.max_num_seqs,
+            num_speculative_tokens=args.num_speculative_tokens,
+            spec_method=args.spec_method,
+            tensor_parallel_size=args.tensor_parallel_size,
+            sequence_parallel_moe=args.sequence_parallel_moe,
+            graph_opt_level=args.graph_opt_level,
+            full_cuda_graph=args.full_cuda_graph,
+            max_capture_shape_prefill=args.max_capture_shape_prefill,
+            only_prefill=args.only_prefill,
+            capture_sizes=tuple(args.capture_sizes) if args.capture_sizes else None,
+            capture_sizes_prefill=(
+                tuple(args.capture_sizes_prefill) if args.capture_sizes_prefill else None
+            ),
+        )
+    )
+    print(_json(plan.to_json()) if args.json else format_plan(plan))
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from fd_cudagraph_plugin.tune import format_result, read_histogram, tune
+
+    result = tune(read_histogram(args.trace), args.max_graphs, args.max_size)
+    print(_json(result.to_json()) if args.json else format_result(result))
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from fd_cudagraph_plugin.doctor import exit_code, format_results, run_checks
+
+    results = run_checks()
+    print(format_results(results))
+    return exit_code(results)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="print the capture sizes and padding maps FastDeploy derives for these settings",
+        description="The capture sizes, padding maps and graphs per backend that FastDeploy "
+        "derives for these serving settings (its GraphOptimizationConfig rules).",
+    )
+    plan.add_argument(
+        "--max-num-seqs", type=int, default=8, help="default 8, FastDeploy's CLI default"
+    )
+    plan.add_argument("--spec-method", choices=SPEC_METHODS, default=None)
+    plan.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="draft tokens k (default 1 with --spec-method, FastDeploy's default)",
+    )
+    plan.add_argument("--tensor-parallel-size", type=int, default=1)
+    plan.add_argument(
+        "--sequence-parallel-moe",
+        action="store_true",
+        help="use_sequence_parallel_moe: keeps decode sizes divisible by TP",
+    )
+    plan.add_argument("--graph-opt-level", type=int, choices=(0, 1, 2), default=0)
+    plan.add_argument(
+        "--full-cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="full_cuda_graph (default true); --no-full-cuda-graph with level >= 1 is static split",
+    )
+    plan.add_argument("--max-capture-shape-prefill", type=int, default=512)
+    plan.add_argument("--only-prefill", action="store_true", help="cudagraph_only_prefill")
+    plan.add_argument(
+        "--capture-sizes", type=_sizes, default=None, help="cudagraph_capture_sizes, e.g. 1,2,4,8"
+    )
+    plan.add_argument(
+        "--capture-sizes-prefill",
+        type=_sizes,
+        default=None,
+        help="cudagraph_capture_sizes_prefill (static split)",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.set_defaults(run=_cmd_plan)
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    tune = sub.add_parser(
+        "tune",
+        help="choose the capture sizes that pad a recorded decode trace least",
+        description="Choose at most N capture sizes with the fewest padded tokens over a decode "
+        "trace (exact), and compare with FastDeploy's default list.",
+    )
+    tune.add_argument(
+        "trace",
+        nargs="+",
+        help="one decode token count per line, or the plugin's fd-cudagraph-stats/1 JSON lines",
+    )
+    tune.add_argument("--max-graphs", type=int, required=True, help="at most this many sizes")
+    tune.add_argument(
+        "--max-size",
+        type=int,
+        default=None,
+        help="largest capture size (default: largest observed count); steps above it run "
+        "eagerly and are left out",
+    )
+    tune.add_argument("--json", action="store_true", help="print JSON")
+    tune.set_defaults(run=_cmd_tune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fd-cudagraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: cuda when Paddle has CUDA, else simulated (said in the output)",
     )
     demo.set_defaults(run=_cmd_demo)
+
+    _add_plan(sub)
+    _add_tune(sub)
+    doctor = sub.add_parser(
+        "doctor", help="check that FastDeploy will load and use the plugin here, with fixes"
+    )
+    doctor.set_defaults(run=_cmd_doctor)
     return parser
 
 

@@ -28,3 +28,7 @@ class CaptureOrderError(CudaGraphPluginError, RuntimeError):
 
 class RankMismatchError(CudaGraphPluginError, RuntimeError):
     """Tensor-parallel ranks disagree about the capture plan; capturing would hang."""
+
+
+class TraceError(CudaGraphPluginError, ValueError):
+    """A trace or stats file given to ``fd-cudagraph tune`` is unreadable; names file and line."""

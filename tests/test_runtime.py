@@ -60,3 +60,15 @@ def test_cuda_runtime_refuses_cpu_paddle_with_the_fix():
         pytest.skip("this Paddle has CUDA")
     with pytest.raises(ConfigError, match="FD_CUDAGRAPH_RUNTIME=simulated"):
         make_runtime("cuda")
+
+
+def test_only_the_cuda_runtime_module_touches_paddles_graph_api():
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "fd_cudagraph_plugin"
+    touching = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if "cuda import graphs" in path.read_text() or "cuda.graphs import" in path.read_text()
+    )
+    assert touching == ["runtime/cuda.py"]

@@ -13,6 +13,14 @@ import paddle
 from fd_cudagraph_plugin.errors import ConfigError
 
 
+def cuda_graph_support() -> bool | None:
+    """Paddle's own verdict on CUDA graphs for this build; None when this Paddle cannot say."""
+    from paddle.device.cuda import graphs
+
+    probe = getattr(graphs, "is_cuda_graph_supported", None)
+    return None if probe is None else bool(probe())
+
+
 class CudaGraph:
     __slots__ = ("_graph",)
 

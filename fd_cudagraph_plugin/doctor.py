@@ -1,0 +1,342 @@
+"""``fd-cudagraph doctor``: will FastDeploy serve with this plugin here? One line per check.
+
+Each check is a small function of the environment that returns a ``CheckResult``; ``CHECKS``
+lists them in the order a start-up goes through them. FAIL means FastDeploy will not serve with
+the plugin (the command exits 1); WARN means it will, with a caveat worth knowing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.options import OPTIONS, read_option
+from fd_cudagraph_plugin.plugin import (
+    _BACKEND_MODULE,
+    _NAME,
+    ENTRY_POINT_GROUP,
+    ENTRY_POINT_NAME,
+    constructor_shape,
+    fastdeploy_version,
+)
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+DISTRIBUTION = "fd-cudagraph-plugin"
+OPTION_PREFIX = "FD_CUDAGRAPH_"
+#: Constructor shapes of FastDeploy's backend this plugin serves: 2.5, 2.6, develop; and 2.4.
+KNOWN_SHAPES = ("(fd_config, dy_runnable, runnable)", "(fd_config, runnable)")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        fix = f" Fix: {self.fix}" if self.fix else ""
+        return f"{self.status:<4}  {self.name}: {self.detail}{fix}"
+
+
+EntryPoints = Callable[..., Iterable[importlib.metadata.EntryPoint]]
+
+
+def check_entry_point(
+    environ: Mapping[str, str], *, entry_points: EntryPoints = importlib.metadata.entry_points
+) -> CheckResult:
+    """The entry point FastDeploy's plugin loader looks for is installed and loads."""
+    name = "entry point"
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
+    if not found:
+        return CheckResult(
+            name,
+            FAIL,
+            f"no entry point {ENTRY_POINT_NAME!r} in group {ENTRY_POINT_GROUP}, so FastDeploy "
+            "cannot find the plugin.",
+            f"pip install {DISTRIBUTION} in the Python environment that runs FastDeploy.",
+        )
+    ep = found[0]
+    try:
+        ep.load()
+    except Exception as error:  # whatever the import raised, FastDeploy would log and skip it
+        return CheckResult(
+            name,
+            FAIL,
+            f"{ep.name} = {ep.value} is installed but does not load: "
+            f"{type(error).__name__}: {error}. FastDeploy logs this and serves without the plugin.",
+            f"reinstall: pip install --force-reinstall {DISTRIBUTION}.",
+        )
+    detail = f"{ep.name} = {ep.value} in {ENTRY_POINT_GROUP}, loads."
+    if len(found) > 1:
+        values = ", ".join(sorted({e.value for e in found}))
+        return CheckResult(
+            name,
+            WARN,
+            f"{detail} It is installed {len(found)} times ({values}); FastDeploy loads each.",
+            f"pip uninstall {DISTRIBUTION} until one copy is left, then reinstall it once.",
+        )
+    return CheckResult(name, OK, detail)
+
+
+def check_fd_plugins(environ: Mapping[str, str]) -> CheckResult:
+    """``FD_PLUGINS`` names the entry point, exactly as FastDeploy compares it."""
+    name = "FD_PLUGINS"
+    fix = (
+        f"export FD_PLUGINS={ENTRY_POINT_NAME} (comma-separate other plugins) before launching "
+        "the API server; workers inherit it."
+    )
+    raw = environ.get("FD_PLUGINS")
+    if raw is None:
+        return CheckResult(
+            name,
+            FAIL,
+            "unset: since FastDeploy PR #4909 an unset FD_PLUGINS loads no plugin at all.",
+            fix,
+        )
+    # FastDeploy splits on commas and compares each piece with the entry-point name as is.
+    names = raw.split(",")
+    if ENTRY_POINT_NAME in names:
+        return CheckResult(name, OK, f"{raw!r} names {ENTRY_POINT_NAME}.")
+    if any(piece.strip() == ENTRY_POINT_NAME for piece in names):
+        return CheckResult(
+            name,
+            FAIL,
+            f"{raw!r} has spaces around {ENTRY_POINT_NAME}; FastDeploy splits on commas without "
+            "stripping, so the name does not match.",
+            fix,
+        )
+    if any(piece.strip() in (DISTRIBUTION, "fd_cudagraph-plugin") for piece in names):
+        return CheckResult(
+            name,
+            FAIL,
+            f"{raw!r} names the distribution {DISTRIBUTION}; FastDeploy matches the entry-point "
+            f"name {ENTRY_POINT_NAME}.",
+            fix,
+        )
+    return CheckResult(name, FAIL, f"{raw!r} does not name {ENTRY_POINT_NAME}.", fix)
+
+
+def check_fastdeploy(environ: Mapping[str, str]) -> CheckResult:
+    """FastDeploy's backend module imports and has a backend class of a known constructor shape."""
+    name = "FastDeploy"
+    try:
+        module = importlib.import_module(_BACKEND_MODULE)
+    except Exception as error:  # ImportError, or whatever FastDeploy's own imports raise
+        return CheckResult(
+            name,
+            FAIL,
+            f"cannot import {_BACKEND_MODULE}: {type(error).__name__}: {error}.",
+            "install PaddlePaddle FastDeploy 2.4 or later (fastdeploy-gpu; the PyPI project "
+            "named fastdeploy is unrelated) in this environment.",
+        )
+    native = getattr(module, _NAME, None)
+    if getattr(native, "__module__", "").startswith("fd_cudagraph_plugin"):
+        native = getattr(module, "_fd_cudagraph_native_backend", None)  # register() already ran
+    version = fastdeploy_version()
+    if native is None:
+        return CheckResult(
+            name,
+            FAIL,
+            f"FastDeploy {version} has no {_NAME} in {_BACKEND_MODULE}, the name the plugin "
+            "rebinds.",
+            "use FastDeploy 2.4 .. 2.6 or develop.",
+        )
+    shape = constructor_shape(native)
+    detail = f"FastDeploy {version} imports; its {_NAME} is built as {shape}"
+    if shape not in KNOWN_SHAPES:
+        return CheckResult(
+            name,
+            WARN,
+            f"{detail}, which this plugin was not written for (known: {', '.join(KNOWN_SHAPES)}).",
+            "use FastDeploy 2.4 .. 2.6 or develop, or FD_CUDAGRAPH_BACKEND=native.",
+        )
+    release = "2.5 or later" if "dy_runnable" in shape else "2.4"
+    return CheckResult(name, OK, f"{detail} ({release}).")
+
+
+def _simulated(environ: Mapping[str, str]) -> bool:
+    try:
+        return read_option("FD_CUDAGRAPH_RUNTIME", environ) == "simulated"
+    except ConfigError:
+        return False  # reported by check_options
+
+
+def check_paddle(environ: Mapping[str, str]) -> CheckResult:
+    """Paddle imports and has CUDA (the plugin's cuda runtime refuses to start without it)."""
+    name = "Paddle"
+    try:
+        import paddle
+    except Exception as error:
+        return CheckResult(
+            name,
+            FAIL,
+            f"cannot import paddle: {type(error).__name__}: {error}.",
+            "install paddlepaddle-gpu from Paddle's own index, matching your CUDA version.",
+        )
+    version = getattr(paddle, "__version__", "unknown")
+    if paddle.is_compiled_with_cuda():
+        return CheckResult(name, OK, f"paddle {version}, compiled with CUDA.")
+    if _simulated(environ):
+        return CheckResult(
+            name,
+            WARN,
+            f"paddle {version} has no CUDA; FD_CUDAGRAPH_RUNTIME=simulated runs graphs on the "
+            "CPU, for tests and demos, not for serving.",
+            "install paddlepaddle-gpu and unset FD_CUDAGRAPH_RUNTIME to serve.",
+        )
+    return CheckResult(
+        name,
+        FAIL,
+        f"paddle {version} is not compiled with CUDA; the plugin's cuda runtime refuses to start.",
+        "install paddlepaddle-gpu (not the CPU wheel paddlepaddle).",
+    )
+
+
+def check_cuda_graphs(environ: Mapping[str, str]) -> CheckResult:
+    """Paddle reports CUDA graphs as supported on this build and device."""
+    name = "CUDA graphs"
+    try:
+        from fd_cudagraph_plugin.runtime.cuda import cuda_graph_support
+
+        supported = cuda_graph_support()
+    except Exception as error:
+        return CheckResult(
+            name,
+            FAIL,
+            f"cannot import paddle.device.cuda.graphs: {type(error).__name__}: {error}.",
+            "install paddlepaddle-gpu.",
+        )
+    if supported is None:
+        return CheckResult(
+            name, OK, "this Paddle has no is_cuda_graph_supported(); capture will tell."
+        )
+    if supported:
+        return CheckResult(name, OK, "paddle.device.cuda.graphs.is_cuda_graph_supported() is True.")
+    if _simulated(environ):
+        return CheckResult(
+            name,
+            WARN,
+            "not supported by this Paddle; FD_CUDAGRAPH_RUNTIME=simulated does not need them.",
+            "install paddlepaddle-gpu and unset FD_CUDAGRAPH_RUNTIME to serve.",
+        )
+    return CheckResult(
+        name,
+        FAIL,
+        "paddle.device.cuda.graphs.is_cuda_graph_supported() is False on this build.",
+        "install paddlepaddle-gpu (CUDA 11+), or serve without CUDA graphs "
+        "(--graph-optimization-config '{\"use_cudagraph\": false}').",
+    )
+
+
+def check_options(environ: Mapping[str, str]) -> CheckResult:
+    """Every ``FD_CUDAGRAPH_*`` option has a value the plugin accepts.
+
+    An invalid one makes ``register()`` raise in every FastDeploy process, which stops start-up.
+    """
+    name = "options"
+    values, errors = {}, []
+    for option in OPTIONS:
+        try:
+            values[option.env] = read_option(option.env, environ)
+        except ConfigError as error:
+            errors.append(str(error))
+    if errors:
+        return CheckResult(name, FAIL, " ".join(errors))
+    set_here = [o.env for o in OPTIONS if environ.get(o.env, "").strip()]
+    defaults = len(OPTIONS) - len(set_here)
+    detail = ", ".join(f"{env}={environ[env].strip()}" for env in set_here)
+    detail = f"{detail}; the other {defaults}" if set_here else f"all {defaults}"
+    detail += " at their defaults"
+    if values.get("FD_CUDAGRAPH_BACKEND") == "native":
+        return CheckResult(
+            name,
+            WARN,
+            f"{detail}: the plugin loads but FastDeploy keeps its own backend.",
+            "unset FD_CUDAGRAPH_BACKEND to use the plugin's.",
+        )
+    return CheckResult(name, OK, f"{detail}.")
+
+
+def check_unknown_options(environ: Mapping[str, str]) -> CheckResult:
+    """A set ``FD_CUDAGRAPH_*`` variable that is no option is most likely a typo."""
+    name = "unknown options"
+    known = [option.env for option in OPTIONS]
+    unknown = sorted(k for k in environ if k.startswith(OPTION_PREFIX) and k not in known)
+    if not unknown:
+        return CheckResult(name, OK, f"no unknown {OPTION_PREFIX}* variable is set.")
+    hints = []
+    for env in unknown:
+        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
+        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
+    return CheckResult(
+        name,
+        WARN,
+        f"set but not options of this plugin, so ignored: {', '.join(hints)}.",
+        "rename or unset them.",
+    )
+
+
+def check_fastpath(environ: Mapping[str, str]) -> CheckResult:
+    """The replay hot path is the C extension, not the pure-Python twin."""
+    from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH
+
+    if NATIVE_FASTPATH:
+        return CheckResult("C hot path", OK, "fd_cudagraph_plugin._fastpath is built and used.")
+    return CheckResult(
+        "C hot path",
+        WARN,
+        "not built; the pure-Python twin serves replays (same behaviour, about 0.3 us more per "
+        "replay).",
+        f"install a C compiler and Python headers, then pip install --force-reinstall --no-deps "
+        f"{DISTRIBUTION}.",
+    )
+
+
+CHECKS: tuple[Callable[[Mapping[str, str]], CheckResult], ...] = (
+    check_entry_point,
+    check_fd_plugins,
+    check_fastdeploy,
+    check_paddle,
+    check_cuda_graphs,
+    check_options,
+    check_unknown_options,
+    check_fastpath,
+)
+
+
+def run_checks(
+    environ: Mapping[str, str] | None = None,
+    checks: Iterable[Callable[[Mapping[str, str]], CheckResult]] = CHECKS,
+) -> list[CheckResult]:
+    source = os.environ if environ is None else environ
+    with warnings.catch_warnings():
+        # Importing Paddle (directly or through FastDeploy) warns about ccache, which has nothing
+        # to do with serving.
+        warnings.filterwarnings("ignore", message="No ccache found")
+        return [check(source) for check in checks]
+
+
+def exit_code(results: Iterable[CheckResult]) -> int:
+    """1 when anything needed to serve with the plugin failed, else 0 (warnings included)."""
+    return 1 if any(result.status == FAIL for result in results) else 0
+
+
+def format_results(results: list[CheckResult]) -> str:
+    lines = [result.line() for result in results]
+    failed = sum(result.status == FAIL for result in results)
+    warned = sum(result.status == WARN for result in results)
+    if failed:
+        lines.append(
+            f"{failed} FAIL, {warned} WARN: FastDeploy will not serve with the plugin until the "
+            "FAIL lines are fixed."
+        )
+    else:
+        lines.append(f"0 FAIL, {warned} WARN: FastDeploy will load the plugin.")
+    return "\n".join(lines)
