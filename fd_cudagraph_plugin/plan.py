@@ -11,9 +11,10 @@ plan runs on any machine, FastDeploy installed or not:
 - speculative decoding (MTP, ngram, suffix; k draft tokens, PR #7215) multiplies the cap and every
   decode size by k + 1, user-given sizes included (they count requests, not tokens);
 - sizes above a cap are dropped; the decode list is deduplicated, the prefill list is not;
-- sequence-parallel MoE with TP > 1 and ``max_num_seqs >= tp`` keeps only the decode sizes
-  divisible by tp (``filter_capture_size``) *after* the padding maps were built, so FastDeploy's
-  ``real_shape_to_captured_size`` still names removed sizes (the plugin re-pads through the list).
+- sequence-parallel MoE with TP > 1 and ``max_num_seqs >= tp`` keeps only the sizes divisible by
+  tp, decode and prefill lists both (``filter_capture_size``; checked against develop's source),
+  *after* the padding maps were built, so FastDeploy's maps still name removed sizes (the plugin
+  re-pads through the lists).
 """
 
 from __future__ import annotations
@@ -328,10 +329,14 @@ def derive_plan(inputs: PlanInput) -> Plan:
         filtered = True
         removed = sorted(s for s in decode if s % tp)
         decode = [s for s in decode if s % tp == 0]
-        if removed:
+        removed_prefill = sorted({s for s in prefill if s % tp})
+        prefill = [s for s in prefill if s % tp == 0]
+        if removed or removed_prefill:
             notes.append(
-                f"sequence-parallel MoE with TP {tp}: filter_capture_size removes "
-                f"{_listing(removed)} (not divisible by {tp}) after the padding maps were built."
+                f"sequence-parallel MoE with TP {tp}: filter_capture_size removes decode sizes "
+                f"{_listing(removed) or 'none'} and prefill sizes "
+                f"{_listing(removed_prefill) or 'none'} (not divisible by {tp}) after the padding "
+                "maps were built."
             )
         notes.append(
             "FastDeploy then turns sequence-parallel MoE off in the mixed role with CUDA graphs, "

@@ -81,7 +81,8 @@ def test_sequence_parallel_moe_filter_leaves_fastdeploy_map_stale_and_plugin_rep
     # FastDeploy's map was built before the filter: 1 and 2 still name removed graphs.
     assert plan.real_shape_to_captured_size[1] == 1 and plan.real_shape_to_captured_size[2] == 2
     assert plan.stale_padding == [(1, 1, 4), (2, 2, 4)]
-    assert any("filter_capture_size removes 1, 2" in note for note in plan.notes)
+    assert any("removes decode sizes 1, 2 and prefill sizes 1, 2" in note for note in plan.notes)
+    assert plan.capture_sizes_prefill[-1] == 4  # the prefill list is filtered too
 
 
 def test_sequence_parallel_moe_is_disabled_when_seqs_below_tp():
@@ -215,17 +216,12 @@ def _compare_with_stand_in(
             derive_plan(inputs)
         return []
     plan = derive_plan(inputs)
-    # The documentation has filter_capture_size keep the decode sizes divisible by TP; the stand-in
-    # filters the prefill list too. The plan follows the documentation (see plan.py), so either is
-    # accepted here.
-    prefill_options = [plan.capture_sizes_prefill]
-    if plan.filtered_for_tp:
-        prefill_options.append([s for s in plan.capture_sizes_prefill if s % tp == 0])
     settings = Settings.from_fd_config(config)
     checks = {
         "cudagraph_capture_sizes": plan.capture_sizes == theirs_sizes,
-        "cudagraph_capture_sizes_prefill": theirs.cudagraph_capture_sizes_prefill
-        in prefill_options,
+        "cudagraph_capture_sizes_prefill": (
+            plan.capture_sizes_prefill == theirs.cudagraph_capture_sizes_prefill
+        ),
         "real_shape_to_captured_size": (
             plan.real_shape_to_captured_size == theirs.real_shape_to_captured_size
         ),
