@@ -195,42 +195,54 @@ fd_call(PyObject *op, PyObject *args, PyObject *kwargs)
         goto done;
     }
     Py_ssize_t tokens = -1;
+    PyObject *first = NULL;
     if (PyList_Check(shape) && PyList_GET_SIZE(shape) > 0) {
-        tokens = PyLong_AsSsize_t(PyList_GET_ITEM(shape, 0));
+        first = PyList_GET_ITEM(shape, 0);
+    }
+    else if (PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) > 0) {
+        first = PyTuple_GET_ITEM(shape, 0);
+    }
+    if (first != NULL) {
+        tokens = PyLong_AsSsize_t(first);
         if (tokens == -1 && PyErr_Occurred()) {
             PyErr_Clear();
         }
     }
     Py_DECREF(shape);
-    if (tokens >= 0 && tokens < self->length) {
-        PyObject *replay = PyList_GET_ITEM(self->replays, tokens);
-        if (replay != Py_None) {
-            PyObject *prefill = PyObject_GetAttr(meta, str_exist_prefill);
-            if (prefill == NULL) {
+    if (tokens >= 0 && tokens < self->length && PyList_GET_ITEM(self->replays, tokens) != Py_None) {
+        PyObject *prefill = PyObject_GetAttr(meta, str_exist_prefill);
+        if (prefill == NULL) {
+            goto done;
+        }
+        int is_prefill = PyObject_IsTrue(prefill);
+        Py_DECREF(prefill);
+        if (is_prefill < 0) {
+            goto done;
+        }
+        int sampled = !is_prefill && self->period > 0 && ++self->ticks >= self->period;
+        if (sampled) {
+            self->ticks = 0; /* this call goes to _dispatch, which runs the sampled checks */
+        }
+        /* Reading exist_prefill may have run Python code: look the tables up again. */
+        if (!is_prefill && !sampled && tokens < self->length
+            && PyList_GET_ITEM(self->replays, tokens) != Py_None) {
+            PyObject *replay = PyList_GET_ITEM(self->replays, tokens);
+            PyObject *captured = PyList_GET_ITEM(self->results, tokens);
+            unsigned long long *hits = self->hits;
+            Py_INCREF(replay);
+            Py_INCREF(captured);
+            PyObject *ignored = PyObject_CallNoArgs(replay);
+            Py_DECREF(replay);
+            if (ignored == NULL) {
+                Py_DECREF(captured);
                 goto done;
             }
-            int is_prefill = PyObject_IsTrue(prefill);
-            Py_DECREF(prefill);
-            if (is_prefill < 0) {
-                goto done;
+            Py_DECREF(ignored);
+            if (self->hits == hits && tokens < self->length) { /* unless replay reset them */
+                hits[tokens] += 1;
             }
-            if (!is_prefill && self->period > 0 && ++self->ticks >= self->period) {
-                self->ticks = 0;
-                is_prefill = 1; /* not really: this call is sampled for _dispatch's checks */
-            }
-            if (!is_prefill) {
-                Py_INCREF(replay);
-                PyObject *ignored = PyObject_CallNoArgs(replay);
-                Py_DECREF(replay);
-                if (ignored == NULL) {
-                    goto done;
-                }
-                Py_DECREF(ignored);
-                self->hits[tokens] += 1;
-                result = PyList_GET_ITEM(self->results, tokens);
-                Py_INCREF(result);
-                goto done;
-            }
+            result = captured;
+            goto done;
         }
     }
     result = slow_path(op, kwargs, meta);

@@ -48,9 +48,11 @@ class PyDispatch:
                 and not meta.exist_prefill
                 and not (self._fast_every and self._sampled())
             ):
+                result, counts = self._fast_results[tokens], self._fast_counts
                 replay()
-                self._fast_counts[tokens] += 1
-                return self._fast_results[tokens]
+                if counts is self._fast_counts:  # unless the replay itself reset the tables
+                    counts[tokens] += 1
+                return result
         return self._dispatch(kwargs, meta)
 
     def _sampled(self) -> bool:

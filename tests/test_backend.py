@@ -235,3 +235,16 @@ def test_hot_path_holds_no_extra_references(sim):
     for _ in range(1000):
         backend(**step)
     assert (sys.getrefcount(result), sys.getrefcount(step["forward_meta"])) == before
+
+
+def test_a_replay_that_resets_the_tables_leaves_them_consistent(sim):
+    backend, _ = build()
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    result = backend.decode_entries[4].result
+    for tokens in (3, 4):
+        backend._fast_set(tokens, backend.clear_graph, result)  # a "replay" that clears
+    assert backend(**buffers.step(3)) is result
+    assert backend._fast_hits() == [0] * 9  # fresh tables; nothing counted into them
+    assert backend(**buffers.step(8)).shape[0] == 8  # serves again: recaptures from scratch
+    assert backend.decode_entries[8].graph is not None
