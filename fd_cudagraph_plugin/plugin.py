@@ -26,6 +26,34 @@ _NAME = "CudaGraphPiecewiseBackend"
 _logged = False
 
 
+class _ToFastDeploy(logging.Handler):
+    """Hands the plugin's records to a FastDeploy logger, so they land in its log files."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.handle(record)
+
+
+def _log_to_fastdeploy() -> None:
+    """Send the package logger's records to FastDeploy's worker log (``worker_process.log``)."""
+    if any(isinstance(h, _ToFastDeploy) for h in logger.handlers):
+        return
+    try:
+        from fastdeploy.utils import get_logger
+
+        target = get_logger("fd_cudagraph_plugin", "worker_process.log")
+    except Exception:  # an older or newer FastDeploy without this helper: keep Python's logging
+        return
+    if target is logger or not target.handlers:
+        return
+    logger.addHandler(_ToFastDeploy(target))
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def register() -> None:
     """Install the plugin's backend in FastDeploy. Idempotent; no CUDA work."""
     global _logged
@@ -33,6 +61,7 @@ def register() -> None:
 
     choice = read_option("FD_CUDAGRAPH_BACKEND")
     backend_module = importlib.import_module(_BACKEND_MODULE)
+    _log_to_fastdeploy()
     if choice == "native":
         if not _logged:
             _logged = True

@@ -113,3 +113,29 @@ def test_decorated_model_serves_through_plugin_backend(plugin_registered, legacy
     # Each step replays a graph (one eager re-run by the simulated runtime) plus our eager check.
     assert model.calls == calls_after_capture + 2 * 6
     assert sum(backend.stats()["replays"].values()) == 6 + backend.captures
+
+
+def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
+    import fastdeploy.utils
+
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    target = logging.getLogger("fastdeploy.worker_log_for_test")
+    target.propagate = False
+    target.addHandler(Collect())
+    monkeypatch.setattr(fastdeploy.utils, "get_logger", lambda name, file_name=None: target)
+    ours = logging.getLogger("fd_cudagraph_plugin")
+    try:
+        plugin.register()
+        plugin.register()
+        forwarding = [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]
+        assert len(forwarding) == 1
+        assert any("fd-cudagraph-plugin 0.1.0 active" in m for m in records)
+    finally:
+        for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
+            ours.removeHandler(handler)
+        ours.setLevel(logging.NOTSET)
