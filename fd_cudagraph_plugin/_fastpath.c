@@ -22,6 +22,7 @@ typedef struct {
     unsigned long long *hits;
     Py_ssize_t period; /* > 0: every period-th servable call goes to _dispatch (sampled checks) */
     Py_ssize_t ticks;
+    unsigned long long generation; /* bumped by every _fast_init */
 } FastDispatch;
 
 static PyObject *str_forward_meta, *str_ids, *str_shape, *str_exist_prefill, *str_dispatch;
@@ -40,6 +41,7 @@ fd_clear(FastDispatch *self)
 {
     Py_CLEAR(self->replays);
     Py_CLEAR(self->results);
+    self->length = 0;
     return 0;
 }
 
@@ -93,6 +95,7 @@ fd_fast_init(FastDispatch *self, PyObject *arg)
     PyMem_Free(self->hits);
     self->hits = hits;
     self->length = length;
+    self->generation += 1;
     Py_RETURN_NONE;
 }
 
@@ -228,7 +231,7 @@ fd_call(PyObject *op, PyObject *args, PyObject *kwargs)
             && PyList_GET_ITEM(self->replays, tokens) != Py_None) {
             PyObject *replay = PyList_GET_ITEM(self->replays, tokens);
             PyObject *captured = PyList_GET_ITEM(self->results, tokens);
-            unsigned long long *hits = self->hits;
+            unsigned long long generation = self->generation;
             Py_INCREF(replay);
             Py_INCREF(captured);
             PyObject *ignored = PyObject_CallNoArgs(replay);
@@ -238,8 +241,8 @@ fd_call(PyObject *op, PyObject *args, PyObject *kwargs)
                 goto done;
             }
             Py_DECREF(ignored);
-            if (self->hits == hits && tokens < self->length) { /* unless replay reset them */
-                hits[tokens] += 1;
+            if (self->generation == generation) { /* unless the replay reset the tables */
+                self->hits[tokens] += 1;
             }
             result = captured;
             goto done;

@@ -19,6 +19,7 @@ runner slices ``[:real_token_num]`` straight away, as it does with the native ba
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -60,9 +61,9 @@ class GraphEntry:
         "static_captured",
         "capture_seconds",
         "graph_bytes",
-        "replays",
         "addresses",
         "disabled",
+        "published",
     )
 
     def __init__(self, size: int, phase: str) -> None:
@@ -76,12 +77,12 @@ class GraphEntry:
         self.static_captured = False
         self.capture_seconds = 0.0
         self.graph_bytes = 0
-        #: Replays dispatched outside the fast path (the fast path counts per token count).
-        self.replays = 0
         #: Input data pointers at capture, when the address guard is on.
         self.addresses: tuple[tuple[str, int], ...] = ()
         #: The self-check found this graph wrong: the size is served eagerly.
         self.disabled = False
+        #: The fast tables serve this entry (see _publish).
+        self.published = False
 
     @property
     def captured(self) -> bool:
@@ -128,8 +129,13 @@ class _BackendCore:
         self._max_size = settings.max_size
         self._decode_table = settings.decode_table
         self._fallbacks: Counter[str] = Counter()
-        self._slow_padded = 0
+        # Replays and padded tokens of the general path, by (phase, size); the fast path counts
+        # per token count in C. Both survive clear_graph().
+        self._replays: Counter[tuple[str, int]] = Counter()
+        self._padded: Counter[tuple[str, int]] = Counter()
         self._slow_tokens: Counter[int] = Counter()
+        self._guard_ticks = 0
+        self._saw_only_prefill_step = False
         self._warned: set[tuple[str, int]] = set()
         self.captures = 0
         self.capture_report: capture.CaptureReport | None = None
@@ -221,58 +227,56 @@ class _BackendCore:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self, kwargs: dict, meta: Any) -> Any:
+        """Every step the fast tables did not serve: pick the entry, then ``_serve`` it."""
         settings = self.settings
         tokens = meta.ids_remove_padding.shape[0]
         if meta.exist_prefill:
             if settings.static_split:
                 if not 0 < tokens < len(self._prefill_by_tokens):
                     return self._eager("oversized", tokens, kwargs)
-                entry = self._prefill_by_tokens[tokens]
-                exact = entry.size == tokens
-                return self._run_static(entry, tokens, kwargs, exact=exact, decode=False)
+                return self._serve(self._prefill_by_tokens[tokens], tokens, kwargs)
             if not settings.only_prefill:
                 return self._eager("prefill", tokens, kwargs)
             # cudagraph_only_prefill (PD prefill nodes): prefill-only steps are keyed by token
             # count through the decode-size list, as FastDeploy's own backend does.
+            self._saw_only_prefill_step = True
         elif settings.only_prefill:
             # Graphs of this mode hold prefill kernels; a decode step must not replay them.
             return self._eager("decode_in_prefill_only_mode", tokens, kwargs)
         else:
             self._slow_tokens[tokens] += 1
 
-        entry, exact = None, False
+        entry = None
         if settings.speculative and not meta.exist_prefill:
             size = self._speculative_size(meta)
-            if size:
-                # The bsz map already names a captured token size; capture on first arrival.
-                entry, exact = self.decode_entries[size], True
+            # The running-request count names a token size; a step with more tokens than that
+            # (an under-predicted real_bsz) must not replay a graph with fewer rows.
+            if size and tokens <= size:
+                entry = self.decode_entries[size]
         if entry is None:
             if tokens == 0:
                 return self._eager("zero_tokens", tokens, kwargs)
             if tokens > self._max_size:
                 return self._eager("oversized", tokens, kwargs)
             entry = self._decode_by_tokens[tokens]
-            exact = entry.size == tokens
+        return self._serve(entry, tokens, kwargs)
 
+    def _serve(self, entry: GraphEntry, tokens: int, kwargs: dict) -> Any:
+        static = self._is_static(entry)
         if entry.disabled:
             return self._eager("self_check_failed", tokens, kwargs)
-        if settings.static_full:
-            return self._run_static(entry, tokens, kwargs, exact=exact, decode=True)
-        if entry.graph is None:
-            if not exact:
-                return self._eager("not_captured", tokens, kwargs)
-            if not self._may_capture(entry, tokens):
-                return self._eager("late_capture", tokens, kwargs)
-            if not self._capture(entry, kwargs):
-                result = self.dy_runnable(**kwargs)
-                capture.mark_warmed()
-                return result
-            if entry.disabled:
-                return self._eager("self_check_failed", tokens, kwargs)
-            # The capturing call returns real outputs too; it ran on the captured inputs, so the
-            # address guard starts counting with the next replay.
-            return self._replay(entry, tokens, kwargs, guard=False)
-        return self._replay(entry, tokens, kwargs)
+        if entry.captured:
+            return self._run_graph(entry, tokens, kwargs)
+        if entry.size != tokens:
+            # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
+            return self._eager("not_captured", tokens, kwargs, static)
+        if not self._may_capture(entry, tokens):
+            return self._eager("late_capture", tokens, kwargs, static)
+        return self._capture(entry, tokens, kwargs, static)
+
+    def _is_static(self, entry: GraphEntry) -> bool:
+        """Paddle-managed (dy2st) graphs: static split prefill, and decode in static full mode."""
+        return entry.phase == PREFILL or self.settings.static_full
 
     def _speculative_size(self, meta: Any) -> int:
         table = self.settings.bsz_table
@@ -283,28 +287,49 @@ class _BackendCore:
         running = max(1, running)
         return table[running] if running < len(table) else 0
 
-    def _replay(self, entry: GraphEntry, tokens: int, kwargs: dict, guard: bool = True) -> Any:
-        if self._guard_every and guard and entry.addresses:
+    def _run_graph(self, entry: GraphEntry, tokens: int, kwargs: dict, guard: bool = True) -> Any:
+        """Replay ``entry`` for a step of ``tokens`` tokens (the general path)."""
+        if guard and entry.addresses and self._address_check_due(entry):
             from fd_cudagraph_plugin import guards
 
             guards.check_addresses(entry.addresses, kwargs, entry.size)
+        key = (entry.phase, entry.size)
+        self._replays[key] += 1
+        self._padded[key] += entry.size - tokens
+        if entry.graph is None:
+            return self._static.replay(self.runnable, kwargs, entry.size)
         entry.graph.replay()
-        entry.replays += 1
-        self._slow_padded += max(entry.size - tokens, 0)
         return entry.result
 
-    def _eager(self, reason: str, tokens: int, kwargs: dict) -> Any:
+    def _address_check_due(self, entry: GraphEntry) -> bool:
+        """``always``; or ``sampled:N``: every Nth replay. The fast path already sends only every
+        Nth call of a published entry here, so those are always checked."""
+        if self._guard_every == 1 or entry.published:
+            return True
+        self._guard_ticks += 1
+        if self._guard_ticks < self._guard_every:
+            return False
+        self._guard_ticks = 0
+        return True
+
+    def _eager(self, reason: str, tokens: int, kwargs: dict, static: bool = False) -> Any:
+        """Run the step without a graph: ``dy_runnable``, or for a static entry the static
+        program with CUDA graphs disabled (the driver turns REPLAY of an uncaptured key into
+        DISABLE)."""
         self._fallbacks[reason] += 1
         if reason != "prefill" and (reason, tokens) not in self._warned:
             self._warned.add((reason, tokens))
             logger.warning(
-                "CUDA graph backend %#x: %d tokens ran eagerly (%s); largest captured size is %d. "
-                "Further steps of this shape are counted in stats() without another warning.",
+                "CUDA graph backend %#x: %d tokens ran without a graph (%s); largest captured "
+                "size is %d. Further steps of this shape are counted in stats() without another "
+                "warning.",
                 id(self),
                 tokens,
                 reason.replace("_", " "),
                 self._max_size,
             )
+        if static:
+            return self._static.replay(self.runnable, kwargs, 0)
         return self.dy_runnable(**kwargs)
 
     # ------------------------------------------------------------------ capture
@@ -367,53 +392,43 @@ class _BackendCore:
             capture.mark_warmed()
         return result
 
-    def _ar_context(self, session: capture.CaptureSession | None):
-        if session is not None and session.options.ar_registration == "session":
-            return contextlib.nullcontext()  # the session holds one context for every graph
-        return allreduce.capture_context()
+    def _capture(self, entry: GraphEntry, tokens: int, kwargs: dict, static: bool) -> Any:
+        """Warm up, capture ``entry`` and return this step's outputs.
 
-    def _capture(self, entry: GraphEntry, kwargs: dict) -> bool:
-        """Warm up and capture ``entry``; False in a warm-only pass (nothing captured).
-
-        In a warm-only pass the caller's eager run of this step is the last warm-up.
+        Dynamic entries are captured by the runtime; static ones by Paddle inside the partial
+        programs (``static.py``). Warm-ups run outside the custom all-reduce context, the capture
+        inside it. In a warm-only pass (``warm_all_first``) nothing is captured.
         """
         session = capture.active()
-        runnable = self.dy_runnable
+        runnable = self.runnable if static else self.dy_runnable
         warmups = self._warmup_count(session)
         if session is not None and session.warm_pass:
-            self._warm_up(runnable, kwargs, warmups - 1)
-            return False
-        self._check_order(entry.size)
-        if self.pool is None:
+            session.note_warmups(self, entry, warmups)
+            return self._warm_up(runnable, kwargs, warmups)
+        if entry.phase == DECODE:
+            self._check_order(entry.size)
+        if self.pool is None and not static:
             self.pool = pools_for(self.runtime).acquire(self.pool_policy, id(self))
         started = time.perf_counter()
-        before = self.runtime.pool_bytes(self.pool)
         try:
             self._warm_up(runnable, kwargs, warmups)
             self.runtime.synchronize()
+            # Measured around the capture alone: warm-ups may grow ordinary allocator memory.
+            before = self.runtime.pool_bytes(self.pool)
             with self._ar_context(session):
-                graph, result = self.runtime.capture(lambda: runnable(**kwargs), self.pool)
+                if static:
+                    result = self._static.capture(runnable, kwargs, entry.size)
+                else:
+                    entry.graph, result = self.runtime.capture(
+                        lambda: runnable(**kwargs), self.pool
+                    )
+                    entry.result = result
+            entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
         except Exception as error:
-            raise self._capture_error(entry, "dynamic", error) from error
-        entry.graph, entry.result = graph, result
-        entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
+            raise self._capture_error(entry, "static" if static else "dynamic", error) from error
+        entry.static_captured = static
         entry.capture_seconds = time.perf_counter() - started
-        self._after_capture(entry, warmups, session, decode=True)
-        if self._guard_every:
-            from fd_cudagraph_plugin import guards
-
-            entry.addresses = guards.input_addresses(kwargs)
-        if self.settings.options.self_check != "off":
-            self._self_check(entry, kwargs)
-        if self.settings.options.dump_dot:
-            self._dump_dot(entry)
-        self._publish(entry)
-        return True
-
-    def _after_capture(
-        self, entry: GraphEntry, warmups: int, session: capture.CaptureSession | None, decode: bool
-    ) -> None:
-        if decode:
+        if entry.phase == DECODE:
             self._next_capture += 1
         self._captures_since_clear += 1
         self.captures += 1
@@ -422,6 +437,35 @@ class _BackendCore:
         logger.debug(
             "captured %s graph of size %d in %.3f s", entry.phase, entry.size, entry.capture_seconds
         )
+        # With one all-reduce registration per session, a graph must not run before the session
+        # registers its buffers: no replay and no self-check until the session ends. The
+        # outputs of a capture run are not computed on a GPU; FastDeploy's dummy runs discard
+        # them.
+        deferred = session is not None and session.options.ar_registration == "session"
+        if not static:
+            if self._guard_every:
+                from fd_cudagraph_plugin import guards
+
+                entry.addresses = guards.input_addresses(kwargs)
+            if self.settings.options.dump_dot:
+                self._dump_dot(entry)
+            self._publish(entry)
+            if self.settings.options.self_check != "off":
+                if deferred:
+                    session.after(functools.partial(self._self_check, entry, kwargs))
+                else:
+                    self._self_check(entry, kwargs)
+        if deferred:
+            return result
+        if entry.disabled:
+            return self._eager("self_check_failed", tokens, kwargs)
+        # The capturing call returns real outputs too; it ran on the captured inputs.
+        return self._run_graph(entry, tokens, kwargs, guard=False)
+
+    def _ar_context(self, session: capture.CaptureSession | None):
+        if session is not None and session.options.ar_registration == "session":
+            return contextlib.nullcontext()  # the session holds one context for every graph
+        return allreduce.capture_context()
 
     def _self_check(self, entry: GraphEntry, kwargs: dict) -> None:
         """Replay the new graph and run eager on the same inputs; they must agree."""
@@ -439,8 +483,16 @@ class _BackendCore:
         )
         if self.settings.options.self_check == "error":
             raise guards.SelfCheckError(message + " (FD_CUDAGRAPH_SELF_CHECK=error)")
+        if self.settings.tp_size > 1:
+            # Serving one size eagerly on this rank while the others replay would desynchronise
+            # the tensor-parallel all-reduces; stop instead.
+            raise guards.SelfCheckError(
+                message + " FD_CUDAGRAPH_SELF_CHECK=warn cannot serve a size eagerly on one "
+                "tensor-parallel rank alone; fix the op or trim the size on every rank."
+            )
         logger.warning("%s This size is served eagerly from now on.", message)
         entry.disabled = True
+        self._publish(entry)
 
     def _dump_dot(self, entry: GraphEntry) -> None:
         directory = os.path.join(os.environ.get("FD_LOG_DIR", "log"), "GraphDotFiles")
@@ -453,50 +505,17 @@ class _BackendCore:
             )
 
     def _publish(self, entry: GraphEntry) -> None:
-        """Let the fast path serve every token count that pads to this entry's size.
-
-        Not for speculative keys, prefill-only graphs or disabled entries.
-        """
+        """Let the fast path serve every token count that pads to this entry's size (or stop,
+        once the entry is disabled). Not for speculative keys or prefill-only graphs."""
         settings = self.settings
-        if settings.speculative or settings.only_prefill or entry.disabled:
+        if settings.speculative or settings.only_prefill or entry.phase != DECODE:
             return
-        replay = entry.graph.replay
+        entry.published = not entry.disabled
+        replay = getattr(entry.graph, "replay_fn", entry.graph.replay) if entry.published else None
+        result = entry.result if entry.published else None
         for tokens in range(1, entry.size + 1):
             if self._decode_by_tokens[tokens] is entry:
-                self._fast_set(tokens, replay, entry.result)
-
-    def _run_static(
-        self, entry: GraphEntry, tokens: int, kwargs: dict, *, exact: bool, decode: bool
-    ) -> Any:
-        """Paddle-managed graphs: capture at an exact size, replay after, DISABLE otherwise."""
-        driver = self._static
-        if not entry.static_captured:
-            if not exact:
-                # The driver turns REPLAY of an uncaptured key into DISABLE: a plain static run.
-                self._fallbacks["not_captured"] += 1
-                return driver.replay(self.runnable, kwargs, entry.size)
-            if not self._may_capture(entry, tokens):
-                self._fallbacks["late_capture"] += 1
-                return driver.replay(self.runnable, kwargs, entry.size)
-            session = capture.active()
-            warmups = self._warmup_count(session)
-            if session is not None and session.warm_pass:
-                return self._warm_up(self.runnable, kwargs, warmups)
-            if decode:
-                self._check_order(entry.size)
-            started = time.perf_counter()
-            try:
-                self._warm_up(self.runnable, kwargs, warmups)
-                with self._ar_context(session):
-                    driver.capture(self.runnable, kwargs, entry.size)
-            except Exception as error:
-                raise self._capture_error(entry, "static", error) from error
-            entry.static_captured = True
-            entry.capture_seconds = time.perf_counter() - started
-            self._after_capture(entry, warmups, session, decode=decode)
-        entry.replays += 1
-        self._slow_padded += max(entry.size - tokens, 0)
-        return driver.replay(self.runnable, kwargs, entry.size)
+                self._fast_set(tokens, replay, result)
 
     def _capture_error(self, entry: GraphEntry, mode: str, error: Exception) -> CaptureError:
         return CaptureError(
@@ -536,6 +555,10 @@ class _BackendCore:
         settings = self.settings
         if settings.only_prefill and settings.static_split:
             return list(self.prefill_entries.values())
+        if settings.only_prefill and not self._saw_only_prefill_step:
+            # FastDeploy develop's GraphOptBackend routes prefill steps to the backend only in
+            # static split mode, so with it this mode captures nothing (2.4's did route them).
+            return []
         entries = list(self.decode_entries.values())
         if settings.static_split:
             entries += self.prefill_entries.values()
@@ -567,30 +590,32 @@ class _BackendCore:
             self._stats_file.flush(self)
 
     def stats(self) -> dict[str, Any]:
-        """Counters since construction, as plain data."""
-        replays: Counter[int] = Counter()
-        padded: Counter[int] = Counter()
-        current = self._fast_hits()
-        for tokens, total in enumerate(self._hit_totals):
-            hits = total + current[tokens]
+        """Counters since construction (they survive ``clear_graph``), as plain data."""
+        replays: Counter[tuple[str, int]] = Counter(self._replays)
+        padded: Counter[tuple[str, int]] = Counter(self._padded)
+        for tokens, hits in enumerate(self._fast_hits()):
+            hits += self._hit_totals[tokens]
             if hits:
                 size = self._decode_table[tokens]
-                replays[size] += hits
-                padded[size] += hits * (size - tokens)
+                replays[DECODE, size] += hits
+                padded[DECODE, size] += hits * (size - tokens)
         captured = [e for e in self.concrete_size_entries.values() if e.captured]
-        for entry in (*self.decode_entries.values(), *self.prefill_entries.values()):
-            replays[entry.size] += entry.replays
-        graph_bytes = {e.size: e.graph_bytes for e in captured}
+        graph_bytes = {e.size: e.graph_bytes for e in captured if e.phase == DECODE}
+
+        def per_size(counter: Counter[tuple[str, int]], phase: str) -> dict[int, int]:
+            return {size: n for (p, size), n in sorted(counter.items()) if p == phase and n}
+
         return {
             "captures": self.captures,
-            "replays": {size: n for size, n in sorted(replays.items()) if n},
+            "replays": per_size(replays, DECODE),
+            "prefill_replays": per_size(replays, PREFILL),
             "eager_fallbacks": dict(self._fallbacks),
-            "padded_tokens": sum(padded.values()) + self._slow_padded,
-            "padded_tokens_per_size": {size: n for size, n in sorted(padded.items()) if n},
-            "capture_seconds": {e.size: e.capture_seconds for e in captured},
+            "padded_tokens": sum(padded.values()),
+            "padded_tokens_per_size": per_size(padded, DECODE),
+            "capture_seconds": {e.size: e.capture_seconds for e in captured if e.phase == DECODE},
             "graph_bytes": graph_bytes,
-            "graph_bytes_total": sum(graph_bytes.values()),
-            "largest_graph_bytes": max(graph_bytes.values(), default=0),
+            "graph_bytes_total": sum(e.graph_bytes for e in captured),
+            "largest_graph_bytes": max((e.graph_bytes for e in captured), default=0),
             "pool_policy": self.pool_policy,
         }
 

@@ -207,6 +207,8 @@ class CaptureSession:
         )
         #: ``"warm"`` during the first pass of ``warm_all_first``: warm up, capture nothing.
         self.pass_ = "capture"
+        self._warmed: dict[tuple[int, str, int], int] = {}
+        self._after: list[Callable[[], object]] = []
         self._bars: dict[tuple[str, str], Any] = {}
         self._stack = contextlib.ExitStack()
         self._started = 0.0
@@ -241,11 +243,22 @@ class CaptureSession:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self._stack.close()
+            self._stack.close()  # per-session all-reduce registration happens here
+            if exc_type is None:
+                for action in self._after:
+                    action()
         finally:
             self._close()
         if exc_type is None:
             self._finish()
+
+    def after(self, action: Callable[[], object]) -> None:
+        """Run ``action`` when the session ends, after its all-reduce registration."""
+        self._after.append(action)
+
+    def note_warmups(self, backend: Any, entry: Any, count: int) -> None:
+        """Warm-ups run for ``entry`` in the warm-only pass, to report with its capture."""
+        self._warmed[(id(backend), entry.phase, entry.size)] = count
 
     def _close(self) -> None:
         global _active, _ended
@@ -299,6 +312,7 @@ class CaptureSession:
             )
 
     def record(self, backend: Any, entry: Any, warmups: int) -> None:
+        warmups += self._warmed.pop((id(backend), entry.phase, entry.size), 0)
         record = CaptureRecord(
             backend=f"{id(backend):#x}",
             role=backend.role,
@@ -324,7 +338,8 @@ class CaptureSession:
                 total=total,
                 desc=f"CUDA graphs ({label})",
                 unit="graph",
-                disable=None,  # on when stderr is a terminal
+                # Always on rank 0: in a FastDeploy worker stderr goes to its log file, where
+                # tqdm writes a line per update, as for FastDeploy's own weight-loading bars.
                 file=sys.stderr,
             )
             self._bars[(label, record.backend)] = bar

@@ -82,38 +82,21 @@ def build_model(vocab: int = 512, hidden: int = 64, layers: int = 4):
 def build_fd_config(sizes: list[int], max_num_seqs: int, warmups: int = 2) -> Any:
     """FastDeploy's ``FDConfig`` when it is installed, else an object with the same fields."""
     try:
-        from fastdeploy.config import (
-            CacheConfig,
-            FDConfig,
-            GraphOptimizationConfig,
-            ParallelConfig,
-            SchedulerConfig,
-            SpeculativeConfig,
-        )
-    except ImportError:
-        descending = sorted(set(sizes), reverse=True)
-        table = padding_table(descending)
-        graph = SimpleNamespace(
-            use_cudagraph=True,
-            graph_opt_level=0,
-            full_cuda_graph=True,
-            cudagraph_capture_sizes=descending,
-            cudagraph_capture_sizes_prefill=[],
-            cudagraph_num_of_warmups=warmups,
-            real_shape_to_captured_size={n: table[n] for n in range(len(table))},
-            real_bsz_to_captured_size={},
-            use_unique_memory_pool=True,
-            cudagraph_only_prefill=False,
-            max_capture_shape_prefill=512,
-        )
-        return SimpleNamespace(
-            graph_opt_config=graph,
-            speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
-            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-            parallel_config=SimpleNamespace(
-                tensor_parallel_size=1, disable_custom_all_reduce=False
-            ),
-        )
+        return _fastdeploy_config(sizes, max_num_seqs, warmups)
+    except Exception:  # not installed, or a FastDeploy whose FDConfig wants more than a demo has
+        return _equivalent_config(sizes, max_num_seqs, warmups)
+
+
+def _fastdeploy_config(sizes: list[int], max_num_seqs: int, warmups: int) -> Any:
+    from fastdeploy.config import (
+        CacheConfig,
+        FDConfig,
+        GraphOptimizationConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
+
     graph = GraphOptimizationConfig(
         {
             "use_cudagraph": True,
@@ -121,13 +104,42 @@ def build_fd_config(sizes: list[int], max_num_seqs: int, warmups: int = 2) -> An
             "cudagraph_num_of_warmups": warmups,
         }
     )
+    # FastDeploy's own graph tests stand a model config in the same way.
+    model = SimpleNamespace(
+        max_model_len=2048, architectures=["TinyDecoder"], mm_max_tokens_per_item=None
+    )
     return FDConfig(
+        model_config=model,
         graph_opt_config=graph,
         scheduler_config=SchedulerConfig({"max_num_seqs": max_num_seqs}),
         cache_config=CacheConfig({}),
         parallel_config=ParallelConfig({}),
         speculative_config=SpeculativeConfig({}),
         test_mode=True,
+    )
+
+
+def _equivalent_config(sizes: list[int], max_num_seqs: int, warmups: int) -> Any:
+    descending = sorted(set(sizes), reverse=True)
+    table = padding_table(descending)
+    graph = SimpleNamespace(
+        use_cudagraph=True,
+        graph_opt_level=0,
+        full_cuda_graph=True,
+        cudagraph_capture_sizes=descending,
+        cudagraph_capture_sizes_prefill=[],
+        cudagraph_num_of_warmups=warmups,
+        real_shape_to_captured_size={n: table[n] for n in range(len(table))},
+        real_bsz_to_captured_size={},
+        use_unique_memory_pool=True,
+        cudagraph_only_prefill=False,
+        max_capture_shape_prefill=512,
+    )
+    return SimpleNamespace(
+        graph_opt_config=graph,
+        speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, disable_custom_all_reduce=False),
     )
 
 
@@ -165,32 +177,36 @@ def run_demo(
     ids_buffer = paddle.zeros([max_size * 2], dtype="int64")
     report = DemoReport(runtime.name, runtime.real_graphs, sizes)
 
-    def step(tokens: int) -> Any:
-        fresh = paddle.to_tensor([rng.randrange(512) for _ in range(tokens)], dtype="int64")
+    def prepare(tokens: int) -> dict:
+        """The runner's input preparation: fill the persistent buffer in place, pass a view."""
         if tokens:
+            fresh = paddle.to_tensor([rng.randrange(512) for _ in range(tokens)], dtype="int64")
             ids_buffer[:tokens] = fresh
         ids = ids_buffer[:tokens]
         meta = meta_class(ids_remove_padding=ids, step_use_cudagraph=tokens > 0)
-        kwargs = {"ids_remove_padding": ids, "forward_meta": meta}
-        # GraphOptBackend's routing for a decode step (FastDeploy graph_optimization_backend).
-        if not meta.step_use_cudagraph or tokens > max_size:
+        return {"ids_remove_padding": ids, "forward_meta": meta}
+
+    def route(kwargs: dict) -> Any:
+        """GraphOptBackend's routing of a decode step (FastDeploy graph_optimization_backend)."""
+        tokens = kwargs["ids_remove_padding"].shape[0]
+        if not kwargs["forward_meta"].step_use_cudagraph or tokens > max_size:
             report.eager_above_max += tokens > max_size
-            return model.forward(**kwargs), kwargs
-        return backend(**kwargs), kwargs
+            return model.forward(**kwargs)
+        return backend(**kwargs)
 
     with paddle.no_grad():
         # capture_model(): exact sizes, largest first, in a capture session as in FastDeploy.
         with CaptureSession("decode", fd_config=fd_config) as session:
             for size in sizes:
-                step(size)
+                route(prepare(size))
         report.capture_summary = session.report.summary()
         for _ in range(steps):
             tokens = rng.choice(
                 [rng.randint(1, max_size)] * 9 + [rng.randint(max_size + 1, 2 * max_size)]
             )
+            kwargs = prepare(tokens)
             started = time.perf_counter()
-            out, kwargs = step(tokens)
-            out = out[:tokens]
+            out = route(kwargs)[:tokens]
             runtime.synchronize()
             report.graph_seconds += time.perf_counter() - started
             started = time.perf_counter()

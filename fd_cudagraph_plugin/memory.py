@@ -14,9 +14,12 @@ memory the target model's graphs still use.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 from fd_cudagraph_plugin.runtime import GraphRuntime
+
+logger = logging.getLogger("fd_cudagraph_plugin")
 
 
 class PoolManager:
@@ -47,6 +50,12 @@ class PoolManager:
         if policy == "device":
             self._device_users.discard(user)
             if self._device_users or pool is not self._device_pool:
+                logger.info(
+                    "CUDA graph pool kept: %d other backend(s) still capture into it, so its "
+                    "memory returns when they clear too (FastDeploy's sleep('weight') clears the "
+                    "target model only; FD_CUDAGRAPH_POOL=instance frees per backend).",
+                    len(self._device_users),
+                )
                 return
             self._device_pool = None
         self._runtime.release_pool(pool)

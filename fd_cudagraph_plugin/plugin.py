@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 
-from fd_cudagraph_plugin.options import read_option
+from fd_cudagraph_plugin.options import PluginOptions
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -59,7 +59,9 @@ def register() -> None:
     global _logged
     import importlib
 
-    choice = read_option("FD_CUDAGRAPH_BACKEND")
+    # Every option is checked here, so a typo stops FastDeploy at start-up with the fix, not at
+    # the first forward.
+    choice = PluginOptions.from_env().backend
     backend_module = importlib.import_module(_BACKEND_MODULE)
     _log_to_fastdeploy()
     if choice == "native":

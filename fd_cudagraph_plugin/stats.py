@@ -134,16 +134,26 @@ def flush_all() -> None:
         backend.flush_stats()
 
 
-class _Reporter(threading.Thread):
-    """``FD_CUDAGRAPH_STATS_INTERVAL``: a log line and a stats-file flush every N seconds."""
+#: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0. FastDeploy
+#: stops workers with SIGTERM, which skips ``atexit``, so waiting for exit would lose the file.
+STATS_FILE_FLUSH_SECONDS = 60.0
 
-    def __init__(self, interval: float) -> None:
+
+class _Reporter(threading.Thread):
+    """Every N seconds: flush the stats files, and log a line if ``FD_CUDAGRAPH_STATS_INTERVAL``
+    asked for one."""
+
+    def __init__(self, interval: float, log: bool) -> None:
         super().__init__(name="fd-cudagraph-stats", daemon=True)
         self.interval = interval
+        self.log = log
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
+            flush_all()
+            if not self.log:
+                continue
             totals = aggregate()
             logger.info(
                 "CUDA graphs: %d replays, %d padded tokens, eager fallbacks %s, graph memory "
@@ -154,13 +164,13 @@ class _Reporter(threading.Thread):
                 totals["graph_bytes"] / (1 << 20),
                 len(totals["backends"]),
             )
-            flush_all()
 
 
 def _start_reporter(options: Any) -> None:
     global _reporter
-    if options.stats_interval > 0 and _reporter is None:
-        _reporter = _Reporter(options.stats_interval)
+    if _reporter is None and (options.stats_interval > 0 or options.stats_file):
+        interval = options.stats_interval or STATS_FILE_FLUSH_SECONDS
+        _reporter = _Reporter(interval, log=options.stats_interval > 0)
         _reporter.start()
     if options.metrics:
         from fd_cudagraph_plugin import metrics

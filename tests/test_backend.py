@@ -109,7 +109,7 @@ def test_fallbacks_are_counted_by_reason_and_warned_once_per_shape(sim, caplog):
     assert not_captured.shape[0] == 3 and zero.shape[0] == 0
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 3
-    assert any("3 tokens ran eagerly (not captured)" in w for w in warnings)
+    assert any("3 tokens ran without a graph (not captured)" in w for w in warnings)
     assert backend.captures == 0
 
 

@@ -190,10 +190,16 @@ def test_custom_allreduce_registration_modes(
 
 
 @pytest.mark.parametrize(
-    ("policy", "warmups", "loop_passes"),
-    [("per_size", [2, 2, 2], 1), ("largest_only", [2, 0, 0], 1), ("warm_all_first", [0, 0, 0], 2)],
+    ("policy", "warmups", "in_capture_pass", "loop_passes"),
+    [
+        ("per_size", [2, 2, 2], 6, 1),
+        ("largest_only", [2, 0, 0], 2, 1),
+        ("warm_all_first", [2, 2, 2], 0, 2),  # all warm-ups in the first pass
+    ],
 )
-def test_warmup_policies(plugin_registered, monkeypatch, policy, warmups, loop_passes):
+def test_warmup_policies(
+    plugin_registered, monkeypatch, policy, warmups, in_capture_pass, loop_passes
+):
     monkeypatch.setenv("FD_CUDAGRAPH_WARMUP", policy)
     config = make_config(4)
     model, runner = runner_for(config)
@@ -206,7 +212,7 @@ def test_warmup_policies(plugin_registered, monkeypatch, policy, warmups, loop_p
     # captured run and the replay that ends a capture (the simulated runtime re-executes it).
     # warm_all_first first runs a warm-only pass: a prefill step plus 2 warm-ups per size.
     sizes = 3
-    expected = sizes + sum(warmups) + 2 * sizes + (sizes * (1 + 2) if loop_passes == 2 else 0)
+    expected = sizes + in_capture_pass + 2 * sizes + (sizes * (1 + 2) if loop_passes == 2 else 0)
     assert model.calls - calls_before == expected
     for tokens in (1, 3, 4):
         out = runner.execute_step(tokens)
@@ -261,3 +267,76 @@ def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, 
     assert per_size == {4: 4 * 8 * 4, 2: 2 * 8 * 4, 1: 1 * 8 * 4}  # [size, hidden] float32
     assert report["graph_bytes"] == sum(per_size.values())
     assert report["largest_graph_bytes"] == 128
+
+
+def test_session_registration_never_runs_a_graph_before_its_buffers_are_registered(
+    plugin_registered, recording_ar, monkeypatch
+):
+    sim = plugin_registered
+    monkeypatch.setenv("FD_CUDAGRAPH_AR_REGISTRATION", "session")
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "error")
+    config = make_config(4)
+    timeline = []
+
+    class Recording(DecoratedBackbone):
+        def forward(self, ids_remove_padding, forward_meta):
+            timeline.append(("replay" if sim.replaying else "run", recording_ar.capturing))
+            return super().forward(ids_remove_padding, forward_meta)
+
+    model, runner = runner_for(config, Recording)
+    timeline.clear()
+    recording_ar.events.clear()
+    runner.capture_model()
+    assert recording_ar.events == [("capture_enter",), ("register_graph_buffers",)]
+    replays = [capturing for kind, capturing in timeline if kind == "replay"]
+    assert replays and not any(replays)  # the self-checks' replays, after registration
+    out = runner.execute_step(3)
+    view = runner.share_inputs["ids"][:3]
+    assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()
+
+
+class DraftRunner(GPUModelRunner):
+    """A runner whose steps also run an MTP-style draft model, as FastDeploy's proposer does."""
+
+    def __init__(self, fd_config, model, draft) -> None:
+        super().__init__(fd_config, model)
+        self.draft = draft
+
+    def _run(self, num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids=None):
+        out = super()._run(num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids)
+        view = self.share_inputs["ids"][:num_tokens]
+        meta = type(self.draft_meta_source)(
+            ids_remove_padding=view,
+            step_use_cudagraph=use_graph,
+            exist_prefill=exist_prefill,
+            real_bsz=real_bsz,
+        )
+        self.draft(ids_remove_padding=view, forward_meta=meta)
+        return out
+
+    @property
+    def draft_meta_source(self):
+        from fastdeploy.model_executor.forward_meta import ForwardMeta
+
+        return ForwardMeta(ids_remove_padding=None)
+
+
+def test_target_and_draft_capture_in_one_session_into_one_pool(plugin_registered):
+    sim = plugin_registered
+    config = make_config(4)
+    target = DecoratedBackbone(fd_config=config)
+    draft = DecoratedBackbone(fd_config=config)
+    runner = DraftRunner(config, target, draft)
+    runner.profile_run()
+    runner.capture_model()
+    target_backend = target.graph_opt_backend.cudagraph_piecewise_backend
+    draft_backend = draft.graph_opt_backend.cudagraph_piecewise_backend
+    report = target_backend.capture_report
+    assert report is draft_backend.capture_report
+    by_backend = {}
+    for record in report.records:
+        by_backend.setdefault(record.backend, []).append(record.size)
+    assert list(by_backend.values()) == [[4, 2, 1], [4, 2, 1]]
+    assert target_backend.pool is draft_backend.pool and sim.live_pools == 1
+    draft_backend.clear_graph()  # /v1/sleep clears the target only; here the draft first
+    assert sim.live_pools == 1 and target_backend.decode_entries[4].graph is not None

@@ -259,3 +259,45 @@ def test_zero_token_step_runs_eagerly(sim):
     out = backend(ids_remove_padding=empty, forward_meta=meta_for(empty))
     assert out.shape[0] == 0
     assert backend.stats()["eager_fallbacks"] == {"zero_tokens": 1}
+
+
+def test_speculative_step_with_more_tokens_than_its_running_requests_size(sim):
+    config = make_config(4, **MODES["speculative"])
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    for size, running in ((8, 4), (4, 2), (2, 1)):
+        step = buffers.step(size)
+        step["forward_meta"].real_bsz = running
+        backend(**step)
+    step = buffers.step(3, seed=5)
+    step["forward_meta"].real_bsz = 1  # predicts size 2, but 3 tokens came: pad by tokens
+    out = backend(**step)
+    assert out.shape[0] == 4
+    assert paddle.allclose(out[:3], model.forward(**step)).item()
+
+
+def test_speculative_capture_needs_the_exact_size(sim):
+    config = make_config(4, **MODES["speculative"])
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    step = Buffers().step(3)
+    step["forward_meta"].real_bsz = 2  # size 4, 3 tokens: no capture on 3 rows
+    assert backend(**step).shape[0] == 3
+    assert backend.decode_entries[4].graph is None
+    assert backend.stats()["eager_fallbacks"] == {"not_captured": 1}
+
+
+def test_only_prefill_through_develops_graphoptbackend_captures_nothing(plugin_registered):
+    config = make_config(4, cudagraph_only_prefill=True, cudagraph_capture_sizes=[8, 4, 2])
+    model = DecoratedBackbone(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    assert backend.captures == 0
+    assert backend.expected_entries() == []
+    backend.check_capture_successful()  # nothing this routing can capture is missing
+    out = runner.execute_step(3, exist_prefill=True)
+    view = runner.share_inputs["ids"][:3]
+    assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()

@@ -139,3 +139,10 @@ def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
         for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
             ours.removeHandler(handler)
         ours.setLevel(logging.NOTSET)
+
+
+def test_any_bad_option_stops_register_with_the_fix(monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_WARMUP", "twice")
+    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_WARMUP='twice'.*per_size"):
+        plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
