@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import paddle  # noqa: E402
 from conftest import TinyBackbone, make_config  # noqa: E402
-from dispatch import NoopGraph, load_fastdeploy_backend  # noqa: E402
+from dispatch import NoopRuntime, load_fastdeploy_backend  # noqa: E402
 from fastdeploy.model_executor.graph_optimization import graph_optimization_backend  # noqa: E402
 from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E402
     support_graph_optimization,
@@ -46,34 +46,6 @@ class FixedCostBackbone(TinyBackbone):
     def forward(self, ids_remove_padding, forward_meta):
         time.sleep(EAGER_SECONDS)
         return super().forward(ids_remove_padding, forward_meta)
-
-
-class NoopCaptureRuntime:
-    """Captures by running once; replay costs nothing, as a GPU replay costs the host little."""
-
-    name = "simulated"
-    real_graphs = False
-
-    def new_pool(self):
-        return None
-
-    def release_pool(self, pool) -> None:
-        return None
-
-    def capture(self, fn, pool):
-        return NoopGraph(), fn()
-
-    def synchronize(self) -> None:
-        return None
-
-    def empty_cache(self) -> None:
-        return None
-
-    def pool_bytes(self, pool) -> int:
-        return 0
-
-    def dump_dot(self, graph, path) -> bool:
-        return False
 
 
 class NoopCudaGraph:
@@ -135,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     EAGER_SECONDS = args.eager_ms / 1e3
 
     os.environ["FD_CUDAGRAPH_RUNTIME"] = "simulated"
-    runtime.install_runtime(NoopCaptureRuntime())
+    # Captures by running once; a replay costs the host little on a GPU, and nothing here.
+    runtime.install_runtime(NoopRuntime(), name="simulated")
     rows = []
     if args.fastdeploy_backend is not None:
         native = load_fastdeploy_backend(args.fastdeploy_backend)

@@ -57,6 +57,9 @@ class NoopRuntime:
     def new_pool(self) -> object:
         return None
 
+    def release_pool(self, pool) -> None:
+        return None
+
     def capture(self, fn, pool):
         return NoopGraph(), fn()
 
@@ -69,14 +72,17 @@ class NoopRuntime:
     def pool_bytes(self, pool) -> int:
         return 0
 
+    def dump_dot(self, graph, path) -> bool:
+        return False
 
-def make_config(max_num_seqs: int) -> FDConfig:
+
+def make_config(max_num_seqs: int, speculative: dict | None = None) -> FDConfig:
     return FDConfig(
         graph_opt_config=GraphOptimizationConfig({"use_cudagraph": True}),
         scheduler_config=SchedulerConfig({"max_num_seqs": max_num_seqs}),
         cache_config=CacheConfig({}),
         parallel_config=ParallelConfig({}),
-        speculative_config=SpeculativeConfig({}),
+        speculative_config=SpeculativeConfig(speculative or {}),
         test_mode=True,
     )
 
@@ -98,27 +104,42 @@ def model_forward(ids_remove_padding, forward_meta):
     return ids_remove_padding
 
 
-def per_call_us(fn, number: int, repeat: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+def per_call_us(fn, number: int) -> float:
+    return timeit.timeit(fn, number=number) / number * 1e6
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fastdeploy-backend", type=Path, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--number", type=int, default=20000)
-    parser.add_argument("--repeat", type=int, default=7)
-    args = parser.parse_args(argv)
+def cycling(backend, steps: list[dict]):
+    """A zero-argument call that feeds ``backend`` the steps in turn."""
+    state = {"i": 0}
+    cycle = len(steps)
 
-    config = make_config(args.max_num_seqs)
+    def call():
+        i = state["i"]
+        state["i"] = i + 1 if i + 1 < cycle else 0
+        return backend(**steps[i])
+
+    return call
+
+
+def bare_replay(steps: list[dict]):
+    graph = NoopGraph()
+    state = {"i": 0}
+    cycle = len(steps)
+
+    def call():
+        i = state["i"]
+        state["i"] = i + 1 if i + 1 < cycle else 0
+        steps[i]  # the same indexing work the backend calls do
+        return graph.replay()
+
+    return call
+
+
+def scenario(
+    title: str, config: FDConfig, steps: list[dict], captures: list[dict], native_module, args
+) -> None:
+    """Time every variant on the same steps, interleaved round by round, best round each."""
     sizes = config.graph_opt_config.cudagraph_capture_sizes
-    buffer = paddle.zeros([sizes[0]], dtype="int64")
-    rng = random.Random(0)
-    token_counts = [rng.randint(1, sizes[0]) for _ in range(64)]
-    steps = [
-        {"ids_remove_padding": buffer[:n], "forward_meta": ForwardMeta(buffer[:n], True)}
-        for n in token_counts
-    ]
 
     def captured(cls, check_addresses: str = "off"):
         os.environ["FD_CUDAGRAPH_CHECK_ADDRESSES"] = check_addresses
@@ -128,67 +149,41 @@ def main(argv: list[str] | None = None) -> int:
             runnable=model_forward,
             runtime=NoopRuntime(),
         )
-        for size in sizes:
-            backend(ids_remove_padding=buffer[:size], forward_meta=ForwardMeta(buffer[:size], True))
         del os.environ["FD_CUDAGRAPH_CHECK_ADDRESSES"]
+        for step in captures:
+            backend(**step)
         return backend
 
-    ours = captured(CudaGraphBackend)
-    python_twin = captured(PyCudaGraphBackend)
-    graph = NoopGraph()
-    cycle = len(steps)
-
-    def run(backend):
-        state = {"i": 0}
-
-        def call():
-            i = state["i"]
-            state["i"] = i + 1 if i + 1 < cycle else 0
-            return backend(**steps[i])
-
-        return call
-
-    def bare():
-        state = {"i": 0}
-
-        def call():
-            i = state["i"]
-            state["i"] = i + 1 if i + 1 < cycle else 0
-            steps[i]  # the same indexing work the backend calls do
-            return graph.replay()
-
-        return call
-
     variants = {
-        "bare": bare(),
-        "plugin": run(ours),
-        "python": run(python_twin),
-        "sampled:100": run(captured(CudaGraphBackend, "sampled:100")),
-        "always": run(captured(CudaGraphBackend, "always")),
+        "bare": bare_replay(steps),
+        "plugin": cycling(captured(CudaGraphBackend), steps),
+        "python": cycling(captured(PyCudaGraphBackend), steps),
+        "sampled:100": cycling(captured(CudaGraphBackend, "sampled:100"), steps),
+        "always": cycling(captured(CudaGraphBackend, "always"), steps),
     }
-    if args.fastdeploy_backend is not None:
-        native_module = load_fastdeploy_backend(args.fastdeploy_backend)
+    if native_module is not None:
         native = native_module.CudaGraphPiecewiseBackend(
             fd_config=config, dy_runnable=model_forward, runnable=model_forward
         )
+        buffer = steps[0]["ids_remove_padding"]
         for (size, _prefill), entry in native.concrete_size_entries.items():
             # Its capture needs CUDA; give each entry the same no-op graph and a buffer instead.
             entry.cuda_graph = NoopGraph()
             entry.output_buffers = [buffer[:size]]
-        variants["fastdeploy"] = run(native)
+        variants["fastdeploy"] = cycling(native, steps)
     # Interleave the variants round by round and keep each one's best round, so load that comes
     # and goes on the machine hits all of them alike.
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(args.repeat):
         for name, fn in variants.items():
-            best[name] = min(best[name], per_call_us(fn, args.number, 1))
+            best[name] = min(best[name], per_call_us(fn, args.number))
     base = best["bare"]
 
     def row(label: str, name: str, note: str = "") -> None:
         print(f"{label:48s} {best[name]:7.3f} us  (overhead {best[name] - base:.3f} us{note})")
 
     hot_path = "C extension" if NATIVE_FASTPATH else "pure Python (C extension not built)"
-    print(f"capture sizes: {len(sizes)} (largest {sizes[0]}), {cycle} distinct decode steps")
+    print(f"{title}: {len(sizes)} capture sizes (largest {sizes[0]}), {len(steps)} decode steps")
     print(f"{'bare replay() call':48s} {base:7.3f} us")
     row("fd-cudagraph-plugin dispatch", "plugin", f"; {hot_path}")
     row("  pure-Python fallback", "python")
@@ -198,6 +193,47 @@ def main(argv: list[str] | None = None) -> int:
         row("FastDeploy backend dispatch", "fastdeploy")
         ratio = (best["fastdeploy"] - base) / max(best["plugin"] - base, 1e-9)
         print(f"overhead ratio FastDeploy / plugin: {ratio:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fastdeploy-backend", type=Path, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--number", type=int, default=20000)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args(argv)
+    native_module = None
+    if args.fastdeploy_backend is not None:
+        native_module = load_fastdeploy_backend(args.fastdeploy_backend)
+    rng = random.Random(0)
+
+    def meta(view, running: int = 0) -> ForwardMeta:
+        return ForwardMeta(view, True, real_bsz=running)
+
+    config = make_config(args.max_num_seqs)
+    sizes = config.graph_opt_config.cudagraph_capture_sizes
+    buffer = paddle.zeros([sizes[0]], dtype="int64")
+    steps = []
+    for _ in range(64):
+        n = rng.randint(1, sizes[0])
+        steps.append({"ids_remove_padding": buffer[:n], "forward_meta": meta(buffer[:n])})
+    captures = [{"ids_remove_padding": buffer[:s], "forward_meta": meta(buffer[:s])} for s in sizes]
+    scenario("plain decode", config, steps, captures, native_module, args)
+
+    # MTP with one draft token: graphs keyed by running requests (forward_meta.real_bsz).
+    config = make_config(args.max_num_seqs // 2, {"method": "mtp", "num_speculative_tokens": 1})
+    sizes = config.graph_opt_config.cudagraph_capture_sizes
+    buffer = paddle.zeros([sizes[0]], dtype="int64")
+    steps = []
+    for _ in range(64):
+        running = rng.randint(1, sizes[0] // 2)
+        n = rng.randint(running, 2 * running)  # 0 or 1 accepted draft token per request
+        steps.append({"ids_remove_padding": buffer[:n], "forward_meta": meta(buffer[:n], running)})
+    captures = [
+        {"ids_remove_padding": buffer[:s], "forward_meta": meta(buffer[:s], s // 2)} for s in sizes
+    ]
+    print()
+    scenario("speculative decode (MTP, k=1)", config, steps, captures, native_module, args)
     return 0
 
 

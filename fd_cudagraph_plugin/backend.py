@@ -143,7 +143,9 @@ class _BackendCore:
         self._guard_every = options.check_addresses
         self._stats_file = None
         if options.stats_file:
-            self._stats_file = stats.StatsFile(options.stats_file, settings.tp_rank)
+            self._stats_file = stats.StatsFile(
+                options.stats_file, settings.tp_rank, settings.speculative_method
+            )
         self._reset_entries()
         # The address guard checks in _dispatch; the fast path sends it every Nth call.
         self._fast_period(self._guard_every)
@@ -185,9 +187,10 @@ class _BackendCore:
             self.decode_entries[size] if size else self._zero_entry
             for size in settings.decode_table
         ]
-        # The fast tables serve plain decode keyed by token count; they fill as graphs are
-        # captured (see _publish).
-        self._fast_init(len(self._decode_by_tokens))
+        # The fast tables serve decode steps by token count, or by running requests under
+        # speculative decoding; they fill as graphs are captured (see _publish).
+        spec_length = len(settings.bsz_table) if settings.speculative else 0
+        self._fast_init(len(self._decode_by_tokens), spec_length)
         self._prefill_by_tokens = [
             self.prefill_entries[size] if size else None for size in settings.prefill_table
         ]
@@ -505,14 +508,20 @@ class _BackendCore:
             )
 
     def _publish(self, entry: GraphEntry) -> None:
-        """Let the fast path serve every token count that pads to this entry's size (or stop,
-        once the entry is disabled). Not for speculative keys or prefill-only graphs."""
+        """Let the fast path serve every key that maps to this entry (or stop, once the entry is
+        disabled): token counts that pad to its size, or under speculative decoding the running
+        request counts whose graph it is. Not for prefill-only graphs."""
         settings = self.settings
-        if settings.speculative or settings.only_prefill or entry.phase != DECODE:
+        if settings.only_prefill or entry.phase != DECODE:
             return
         entry.published = not entry.disabled
         replay = getattr(entry.graph, "replay_fn", entry.graph.replay) if entry.published else None
         result = entry.result if entry.published else None
+        if settings.speculative:
+            for running, size in enumerate(settings.bsz_table):
+                if running and size == entry.size:
+                    self._spec_set(running, replay, result, entry.size)
+            return
         for tokens in range(1, entry.size + 1):
             if self._decode_by_tokens[tokens] is entry:
                 self._fast_set(tokens, replay, result)
@@ -545,6 +554,10 @@ class _BackendCore:
             self._static.forget()
         for tokens, hits in enumerate(self._fast_hits()):
             self._hit_totals[tokens] += hits
+        replays, padded, observed = self._spec_snapshot()
+        self._replays.update(replays)
+        self._padded.update(padded)
+        self._slow_tokens.update(observed)
         self._reset_entries()
         pools_for(self.runtime).release(self.pool_policy, self.pool, id(self))
         self.pool = None
@@ -576,9 +589,24 @@ class _BackendCore:
 
     # ------------------------------------------------------------------ stats
 
+    def _spec_snapshot(self) -> tuple[Counter, Counter, Counter[int]]:
+        """Replays and padded tokens by (phase, size), and steps per token count, that the
+        running-request table has served since the tables were last reset."""
+        replays: Counter[tuple[str, int]] = Counter()
+        padded: Counter[tuple[str, int]] = Counter()
+        hits, tokens, token_hits = self._spec_counts()
+        for running, count in enumerate(hits):
+            if count:
+                size = self.settings.bsz_table[running]
+                replays[DECODE, size] += count
+                padded[DECODE, size] += count * size - tokens[running]
+        observed = Counter({n: c for n, c in enumerate(token_hits) if c})
+        return replays, padded, observed
+
     def decode_token_counts(self) -> Counter[int]:
         """Observed decode steps per token count, since construction (what ``tune`` reads)."""
         counts: Counter[int] = Counter(self._slow_tokens)
+        counts.update(self._spec_snapshot()[2])
         for tokens, hits in enumerate(self._fast_hits()):
             total = hits + self._hit_totals[tokens]
             if total:
@@ -591,8 +619,9 @@ class _BackendCore:
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction (they survive ``clear_graph``), as plain data."""
-        replays: Counter[tuple[str, int]] = Counter(self._replays)
-        padded: Counter[tuple[str, int]] = Counter(self._padded)
+        replays, padded, _ = self._spec_snapshot()
+        replays.update(self._replays)
+        padded.update(self._padded)
         for tokens, hits in enumerate(self._fast_hits()):
             hits += self._hit_totals[tokens]
             if hits:

@@ -100,9 +100,10 @@ class StatsFile:
     counts of every line gives the histogram. Written only at flushes (periodic, on clear, at exit).
     """
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, speculative_method: str | None = None) -> None:
         self.path = path.replace("{rank}", str(rank))
         self.rank = rank
+        self.speculative_method = speculative_method
         self._written: dict[str, Counter[int]] = {}
 
     def flush(self, backend: Any) -> None:
@@ -121,6 +122,8 @@ class StatsFile:
             "backend": key,
             "decode_token_counts": {str(n): c for n, c in sorted(increments.items())},
         }
+        if self.speculative_method:
+            line["speculative_method"] = self.speculative_method
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)

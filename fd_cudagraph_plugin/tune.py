@@ -37,9 +37,17 @@ _HEX_ID = re.compile(r"(0x)?[0-9a-fA-F]+")
 _DIGITS = re.compile(r"[0-9]+")
 
 
-def read_histogram(paths: Iterable[str | Path]) -> Counter[int]:
+class Histogram(Counter):
+    """``{tokens: steps}``, plus the speculative methods the stats lines were recorded under."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.speculative_methods: set[str] = set()
+
+
+def read_histogram(paths: Iterable[str | Path]) -> Histogram:
     """Sum the decode token counts of every trace or stats file: ``{tokens: steps}``."""
-    histogram: Counter[int] = Counter()
+    histogram = Histogram()
     for path in paths:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -59,7 +67,7 @@ def _add_line(histogram: Counter[int], text: str, where: str) -> None:
     if not text or text.startswith("#"):
         return
     if text.startswith("{"):
-        for tokens, steps in _stats_counts(text, where).items():
+        for tokens, steps in _stats_counts(text, where, histogram).items():
             histogram[tokens] += steps
         return
     value = text.split("#", 1)[0].strip()
@@ -71,7 +79,7 @@ def _add_line(histogram: Counter[int], text: str, where: str) -> None:
     histogram[int(value)] += 1
 
 
-def _stats_counts(text: str, where: str) -> dict[int, int]:
+def _stats_counts(text: str, where: str, histogram: Histogram) -> dict[int, int]:
     """Validate one stats line and return its ``{tokens: steps}`` increments."""
     try:
         record = json.loads(text)
@@ -109,6 +117,9 @@ def _stats_counts(text: str, where: str) -> dict[int, int]:
                 f'{where}: "decode_token_counts"[{key!r}] must be a step count >= 0; got {steps!r}.'
             )
         parsed[int(key)] = steps
+    method = record.get("speculative_method")
+    if method:
+        histogram.speculative_methods.add(str(method))
     return parsed
 
 
@@ -254,6 +265,13 @@ def tune(histogram: Mapping[int, int], max_graphs: int, max_size: int | None = N
     sizes = optimal_sizes(kept, max_graphs, top)
     baseline = default_capture_sizes(top)
     notes = []
+    methods = sorted(getattr(histogram, "speculative_methods", ()))
+    if methods:
+        notes.append(
+            f"These stats were recorded with speculative decoding ({', '.join(methods)}): "
+            "FastDeploy multiplies user-given capture sizes by k + 1 and keys graphs by running "
+            "requests, so this token-count list does not carry over as it is."
+        )
     if top > DECODE_CAP:
         notes.append(
             f"Without speculative decoding FastDeploy drops every capture size above "

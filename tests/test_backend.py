@@ -248,3 +248,29 @@ def test_a_replay_that_resets_the_tables_leaves_them_consistent(sim):
     assert backend._fast_hits() == [0] * 9  # fresh tables; nothing counted into them
     assert backend(**buffers.step(8)).shape[0] == 8  # serves again: recaptures from scratch
     assert backend.decode_entries[8].graph is not None
+
+
+def test_speculative_steps_are_served_from_the_running_request_table(sim):
+    config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    backend, model = build(config)
+    buffers = Buffers()
+    for size, running in ((8, 4), (4, 2), (2, 1)):
+        step = buffers.step(size)
+        step["forward_meta"].real_bsz = running
+        backend(**step)
+    served = []
+    for tokens, running in ((3, 2), (4, 2), (6, 3), (1, 1), (5, 2)):
+        step = buffers.step(tokens, seed=tokens)
+        step["forward_meta"].real_bsz = running
+        out = backend(**step)
+        served.append(out.shape[0])
+        assert paddle.allclose(out[:tokens], model.forward(**step)).item()
+    # (5 tokens, 2 requests) exceeds size 4: padded by its token count to the size-8 graph.
+    assert served == [4, 4, 8, 2, 8]
+    hits, token_sums, token_hits = backend._spec_counts()
+    assert hits[1:5] == [1, 2, 1, 0] and token_sums[2] == 7  # the fast path served four
+    assert token_hits[3] == token_hits[4] == token_hits[6] == token_hits[1] == 1
+    stats = backend.stats()
+    assert stats["replays"] == {2: 2, 4: 3, 8: 3}
+    assert stats["padded_tokens_per_size"] == {2: 1, 4: 1, 8: 5}
+    assert backend.decode_token_counts() == {8: 1, 4: 2, 2: 1, 3: 1, 6: 1, 1: 1, 5: 1}

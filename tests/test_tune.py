@@ -226,3 +226,18 @@ def test_cli_tune_text_prints_the_flag_to_use(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "left out (FastDeploy runs them eagerly): 1 steps above 64 tokens" in out
     assert """--graph-optimization-config '{"cudagraph_capture_sizes": [64, 5]}'""" in out
+
+
+def test_stats_recorded_with_speculative_decoding_get_a_note(tmp_path):
+    line = {
+        "format": "fd-cudagraph-stats/1",
+        "time": 1.0,
+        "rank": 0,
+        "backend": "0x7f00",
+        "decode_token_counts": {"4": 10, "6": 5},
+        "speculative_method": "mtp",
+    }
+    path = tmp_path / "stats.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    result = tune(read_histogram([path]), 2)
+    assert any("speculative decoding (mtp)" in note for note in result.notes)

@@ -72,8 +72,10 @@ def get_runtime(name: str) -> GraphRuntime:
     return runtime
 
 
-def install_runtime(runtime: GraphRuntime) -> GraphRuntime | None:
-    """Make ``runtime`` the one returned for its name (tests, tools); return the one it replaced."""
-    previous = _RUNTIMES.get(runtime.name)
-    _RUNTIMES[runtime.name] = runtime
+def install_runtime(runtime: GraphRuntime, name: str | None = None) -> GraphRuntime | None:
+    """Make ``runtime`` the one returned for ``name`` (default: its own name) in tests and tools;
+    return the one it replaced."""
+    name = name or runtime.name
+    previous = _RUNTIMES.get(name)
+    _RUNTIMES[name] = runtime
     return previous
