@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["fd_cudagraph_plugin", "fd_cudagraph_plugin.*"]),
     # No Paddle and no FastDeploy here: FastDeploy users already have paddlepaddle-gpu from
     # Paddle's own index, and pip must never replace it with a CPU wheel. (The PyPI project
-    # named "fastdeploy" is unrelated to PaddlePaddle's FastDeploy.)
+    # named fastdeploy is unrelated to PaddlePaddle's FastDeploy.)
     install_requires=["tqdm"],
     # The replay hot path in C. optional=True: without a compiler the install still succeeds and
     # the identical pure-Python dispatch (fd_cudagraph_plugin/dispatch.py) is used instead.

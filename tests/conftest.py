@@ -160,6 +160,15 @@ def meta_for(ids, **fields) -> ForwardMeta:
     return ForwardMeta(ids_remove_padding=ids, **fields)
 
 
+def capture_speculative(backend, buffers: Buffers) -> None:
+    """Capture every size the way FastDeploy's MTP capture loop does: ``size // 2`` requests of
+    two tokens each (k = 1), largest first."""
+    for size in backend.cudagraph_capture_sizes:
+        step = buffers.step(size)
+        step["forward_meta"].real_bsz = size // 2
+        backend(**step)
+
+
 class Buffers:
     """Persistent input buffer, as FastDeploy's ``share_inputs``: written in place, viewed."""
 

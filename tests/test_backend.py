@@ -7,7 +7,7 @@ import sys
 
 import paddle
 import pytest
-from conftest import Buffers, TinyBackbone, make_config, meta_for
+from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
 
 from fd_cudagraph_plugin.backend import CudaGraphBackend, PyCudaGraphBackend
 from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH
@@ -254,10 +254,7 @@ def test_speculative_steps_are_served_from_the_running_request_table(sim):
     config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
     backend, model = build(config)
     buffers = Buffers()
-    for size, running in ((8, 4), (4, 2), (2, 1)):
-        step = buffers.step(size)
-        step["forward_meta"].real_bsz = running
-        backend(**step)
+    capture_speculative(backend, buffers)
     served = []
     for tokens, running in ((3, 2), (4, 2), (6, 3), (1, 1), (5, 2)):
         step = buffers.step(tokens, seed=tokens)

@@ -12,7 +12,14 @@ import weakref
 
 import paddle
 import pytest
-from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config, meta_for
+from conftest import (
+    Buffers,
+    DecoratedBackbone,
+    TinyBackbone,
+    capture_speculative,
+    make_config,
+    meta_for,
+)
 from fastdeploy.platforms import current_platform
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
@@ -266,10 +273,7 @@ def test_speculative_step_with_more_tokens_than_its_running_requests_size(sim):
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    for size, running in ((8, 4), (4, 2), (2, 1)):
-        step = buffers.step(size)
-        step["forward_meta"].real_bsz = running
-        backend(**step)
+    capture_speculative(backend, buffers)
     step = buffers.step(3, seed=5)
     step["forward_meta"].real_bsz = 1  # predicts size 2, but 3 tokens came: pad by tokens
     out = backend(**step)

@@ -8,7 +8,7 @@ import time
 
 import paddle
 import pytest
-from conftest import Buffers, TinyBackbone, make_config, meta_for
+from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
 
 from fd_cudagraph_plugin import stats
 from fd_cudagraph_plugin.backend import CudaGraphBackend, PyCudaGraphBackend
@@ -231,10 +231,7 @@ def test_sampled_address_checks_on_the_general_path_too(sim, monkeypatch):
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    for size, running in ((8, 4), (4, 2), (2, 1)):
-        step = buffers.step(size)
-        step["forward_meta"].real_bsz = running
-        backend(**step)
+    capture_speculative(backend, buffers)
     swapped = paddle.full([8], 3, dtype="int64")
     meta = meta_for(swapped, real_bsz=4)
     backend(ids_remove_padding=swapped, forward_meta=meta)
