@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import paddle
 import pytest
 
@@ -62,13 +65,31 @@ def test_cuda_runtime_refuses_cpu_paddle_with_the_fix():
         make_runtime("cuda")
 
 
-def test_only_the_cuda_runtime_module_touches_paddles_graph_api():
-    from pathlib import Path
+def _touches_graph_api(source: str) -> bool:
+    """Imports ``paddle.device.cuda.graphs`` (any spelling) or names Paddle's ``CUDAGraph``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any("cuda.graphs" in a.name for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = {a.name for a in node.names}
+            if "cuda.graphs" in node.module or (node.module.endswith("cuda") and "graphs" in names):
+                return True
+            if "CUDAGraph" in names:
+                return True
+        if isinstance(node, ast.Attribute) and (
+            node.attr == "CUDAGraph"
+            or (node.attr == "graphs" and getattr(node.value, "attr", None) == "cuda")
+        ):
+            return True
+    return False
 
+
+def test_only_the_cuda_runtime_module_touches_paddles_graph_api():
     package = Path(__file__).resolve().parent.parent / "fd_cudagraph_plugin"
     touching = sorted(
         str(path.relative_to(package))
         for path in package.rglob("*.py")
-        if "cuda import graphs" in path.read_text() or "cuda.graphs import" in path.read_text()
+        if _touches_graph_api(path.read_text(encoding="utf-8"))
     )
     assert touching == ["runtime/cuda.py"]
+    assert _touches_graph_api("import paddle\npaddle.device.cuda.graphs.CUDAGraph()")
