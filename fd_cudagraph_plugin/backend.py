@@ -129,17 +129,17 @@ class _BackendCore:
         self._max_size = settings.max_size
         self._decode_table = settings.decode_table
         self._fallbacks: Counter[str] = Counter()
-        # Replays and padded tokens of the general path, by (phase, size); the fast path counts
-        # per token count in C. Both survive clear_graph().
+        # Replays and padded tokens by (phase, size), and decode steps per token count: what the
+        # general path served, plus what the fast tables had served when they were last reset
+        # (they count in C; see _fast_snapshot). All survive clear_graph().
         self._replays: Counter[tuple[str, int]] = Counter()
         self._padded: Counter[tuple[str, int]] = Counter()
-        self._slow_tokens: Counter[int] = Counter()
+        self._observed_tokens: Counter[int] = Counter()
         self._guard_ticks = 0
         self._saw_only_prefill_step = False
         self._warned: set[tuple[str, int]] = set()
         self.captures = 0
         self.capture_report: capture.CaptureReport | None = None
-        self._hit_totals = [0] * (settings.max_size + 1)
         self._guard_every = options.check_addresses
         self._stats_file = None
         if options.stats_file:
@@ -247,7 +247,7 @@ class _BackendCore:
             # Graphs of this mode hold prefill kernels; a decode step must not replay them.
             return self._eager("decode_in_prefill_only_mode", tokens, kwargs)
         else:
-            self._slow_tokens[tokens] += 1
+            self._observed_tokens[tokens] += 1
 
         entry = None
         if settings.speculative and not meta.exist_prefill:
@@ -552,12 +552,10 @@ class _BackendCore:
                 entry.graph.release()
         if self._static is not None:
             self._static.forget()
-        for tokens, hits in enumerate(self._fast_hits()):
-            self._hit_totals[tokens] += hits
-        replays, padded, observed = self._spec_snapshot()
+        replays, padded, observed = self._fast_snapshot()
         self._replays.update(replays)
         self._padded.update(padded)
-        self._slow_tokens.update(observed)
+        self._observed_tokens.update(observed)
         self._reset_entries()
         pools_for(self.runtime).release(self.pool_policy, self.pool, id(self))
         self.pool = None
@@ -589,28 +587,31 @@ class _BackendCore:
 
     # ------------------------------------------------------------------ stats
 
-    def _spec_snapshot(self) -> tuple[Counter, Counter, Counter[int]]:
-        """Replays and padded tokens by (phase, size), and steps per token count, that the
-        running-request table has served since the tables were last reset."""
+    def _fast_snapshot(self) -> tuple[Counter, Counter, Counter[int]]:
+        """Replays and padded tokens by (phase, size), and decode steps per token count, that
+        the fast tables have served since they were last reset."""
         replays: Counter[tuple[str, int]] = Counter()
         padded: Counter[tuple[str, int]] = Counter()
+        observed: Counter[int] = Counter()
+        for tokens, hits in enumerate(self._fast_hits()):
+            if hits:
+                size = self._decode_table[tokens]
+                replays[DECODE, size] += hits
+                padded[DECODE, size] += hits * (size - tokens)
+                observed[tokens] += hits
         hits, tokens, token_hits = self._spec_counts()
         for running, count in enumerate(hits):
             if count:
                 size = self.settings.bsz_table[running]
                 replays[DECODE, size] += count
                 padded[DECODE, size] += count * size - tokens[running]
-        observed = Counter({n: c for n, c in enumerate(token_hits) if c})
+        observed.update({n: c for n, c in enumerate(token_hits) if c})
         return replays, padded, observed
 
     def decode_token_counts(self) -> Counter[int]:
         """Observed decode steps per token count, since construction (what ``tune`` reads)."""
-        counts: Counter[int] = Counter(self._slow_tokens)
-        counts.update(self._spec_snapshot()[2])
-        for tokens, hits in enumerate(self._fast_hits()):
-            total = hits + self._hit_totals[tokens]
-            if total:
-                counts[tokens] += total
+        counts = self._fast_snapshot()[2]
+        counts.update(self._observed_tokens)
         return counts
 
     def flush_stats(self) -> None:
@@ -619,15 +620,9 @@ class _BackendCore:
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction (they survive ``clear_graph``), as plain data."""
-        replays, padded, _ = self._spec_snapshot()
+        replays, padded, _ = self._fast_snapshot()
         replays.update(self._replays)
         padded.update(self._padded)
-        for tokens, hits in enumerate(self._fast_hits()):
-            hits += self._hit_totals[tokens]
-            if hits:
-                size = self._decode_table[tokens]
-                replays[DECODE, size] += hits
-                padded[DECODE, size] += hits * (size - tokens)
         captured = [e for e in self.concrete_size_entries.values() if e.captured]
         graph_bytes = {e.size: e.graph_bytes for e in captured if e.phase == DECODE}
 

@@ -33,7 +33,7 @@ def register_backend(backend: Any) -> None:
         _backends[:] = [ref for ref in _backends if ref() is not None]
         backend.role = "draft" if _backends else "target"
         _backends.append(weakref.ref(backend))
-    _start_reporter(backend.settings.options)
+    _start_outputs(backend.settings.options)
 
 
 def live_backends() -> list[Any]:
@@ -52,7 +52,7 @@ def aggregate() -> dict[str, Any]:
         per_backend[f"{id(backend):#x}"] = own
         captures += own["captures"]
         padded += own["padded_tokens"]
-        graph_bytes += sum(own["graph_bytes"].values())
+        graph_bytes += own["graph_bytes_total"]
         replays.update(own["replays"])
         fallbacks.update(own["eager_fallbacks"])
     return {
@@ -169,7 +169,8 @@ class _Reporter(threading.Thread):
             )
 
 
-def _start_reporter(options: Any) -> None:
+def _start_outputs(options: Any) -> None:
+    """Start what the options ask for once per process: the periodic thread, the metrics."""
     global _reporter
     if _reporter is None and (options.stats_interval > 0 or options.stats_file):
         interval = options.stats_interval or STATS_FILE_FLUSH_SECONDS
