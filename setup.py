@@ -1,10 +1,10 @@
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import find_packages, setup
 
 setup(
     name="fd-cudagraph-plugin",
-    version="0.1.0",
+    version="0.2.0",
     description="A faster, leaner CUDA-graph backend for FastDeploy 2.x, loaded as a plugin",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -15,15 +15,6 @@ setup(
     # Paddle's own index, and pip must never replace it with a CPU wheel. (The PyPI project
     # named fastdeploy is unrelated to PaddlePaddle's FastDeploy.)
     install_requires=["tqdm"],
-    # The replay hot path in C. optional=True: without a compiler the install still succeeds and
-    # the identical pure-Python dispatch (fd_cudagraph_plugin/dispatch.py) is used instead.
-    ext_modules=[
-        Extension(
-            "fd_cudagraph_plugin._fastpath",
-            ["fd_cudagraph_plugin/_fastpath.c"],
-            optional=True,
-        )
-    ],
     extras_require={
         "test": ["pytest", "pytest-mock", "paddlepaddle==3.3.1", "ruff", "prometheus_client"],
         "demo": ["paddlepaddle==3.3.1"],

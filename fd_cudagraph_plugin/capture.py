@@ -1,174 +1,37 @@
-"""Capture sessions: FastDeploy's capture loops, wrapped.
+"""Capturing one entry: the order check, warm-ups, the pool, the all-reduce context, accounting.
 
-FastDeploy's ``GPUModelRunner.capture_model()`` (decode) and ``capture_model_prefill_and_mixed()``
-(static split prefill) own the dummy runs that make the backends capture. The plugin keeps those
-loops and runs each inside a ``CaptureSession``, which:
-
-* collects and freezes Python's GC for the session (vLLM measured per-size capture time falling
-  from about 5 s to under 0.5 s with this), and restores it afterwards, also on error;
-* before the first capture, exchanges a fingerprint of the capture plan with every tensor-parallel
-  rank and raises ``RankMismatchError`` with a per-rank diff instead of hanging later inside the
-  custom all-reduce registration collective (vLLM #39788, SGLang #11275, #16237);
-* shows a progress bar per phase on rank 0, records each size's capture time and graph memory, and
-  ends with one summary line in the log and a ``CaptureReport`` kept on every backend;
-* applies the warm-up policy and the custom all-reduce registration mode.
-
-After a session has ended, a capture attempt while serving is a *late capture*: on one rank alone
-it would hang tensor parallelism, so ``FD_CUDAGRAPH_LATE_CAPTURE`` decides (default: run eagerly).
+Dynamic entries are captured by the runtime (``runtime/``); static ones by Paddle inside its
+partial programs (``static.py``). Warm-ups run outside FastDeploy's custom all-reduce capture
+context and the capture inside it: inside the context, every all-reduce that is not being captured
+returns an uninitialised buffer, and leaving it registers the new graph's buffers on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
-import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fd_cudagraph_plugin import allreduce, stats
-from fd_cudagraph_plugin.errors import RankMismatchError
-from fd_cudagraph_plugin.options import PluginOptions
+from fd_cudagraph_plugin.entries import DECODE, GraphEntry
+from fd_cudagraph_plugin.errors import CaptureError, CaptureOrderError
+from fd_cudagraph_plugin.memory import pools_for
+from fd_cudagraph_plugin.runtime import GraphRuntime
+from fd_cudagraph_plugin.session import CaptureSession, Member
+from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.static import StaticGraphDriver
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
+_OOM_ADVICE = (
+    "lower --max-num-seqs or --gpu-memory-utilization, or trim cudagraph_capture_sizes in "
+    "--graph-optimization-config"
+)
 
-def human_bytes(count: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
-
-
-@dataclass(frozen=True)
-class CaptureRecord:
-    backend: str
-    role: str
-    phase: str
-    size: int
-    seconds: float
-    graph_bytes: int
-    warmups: int
-
-
-@dataclass
-class CaptureReport:
-    """What one session captured. ``summary()`` is the log line; ``to_json()`` the memory report."""
-
-    phase: str
-    rank: int
-    warmup_policy: str
-    ar_registration: str
-    seconds: float = 0.0
-    #: Of ``seconds``: the one-off start (gc.collect and freeze, the plan exchange).
-    setup_seconds: float = 0.0
-    records: list[CaptureRecord] = field(default_factory=list)
-
-    @property
-    def graphs(self) -> int:
-        return len(self.records)
-
-    @property
-    def graph_bytes(self) -> int:
-        return sum(r.graph_bytes for r in self.records)
-
-    @property
-    def largest_graph_bytes(self) -> int:
-        return max((r.graph_bytes for r in self.records), default=0)
-
-    def summary(self) -> str:
-        if not self.records:
-            return f"{self.phase} capture session: no graphs captured in {self.seconds:.1f} s"
-        sizes = sorted({r.size for r in self.records})
-        warmups = sorted({r.warmups for r in self.records})
-        warm = f"{warmups[0]}" if len(warmups) == 1 else f"{warmups[0]}-{warmups[-1]}"
-        backends = len({r.backend for r in self.records})
-        return (
-            f"captured {self.graphs} graphs (sizes {sizes[0]}..{sizes[-1]}"
-            f"{f', {backends} backends' if backends > 1 else ''}) in {self.seconds:.1f} s, "
-            f"graph memory {human_bytes(self.graph_bytes)} "
-            f"(largest graph {human_bytes(self.largest_graph_bytes)}), {warm} warm-ups each"
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": "fd-cudagraph-memory/1",
-            "phase": self.phase,
-            "rank": self.rank,
-            "seconds": round(self.seconds, 6),
-            "setup_seconds": round(self.setup_seconds, 6),
-            "graphs": self.graphs,
-            "graph_bytes": self.graph_bytes,
-            "largest_graph_bytes": self.largest_graph_bytes,
-            "warmup_policy": self.warmup_policy,
-            "ar_registration": self.ar_registration,
-            "captures": [asdict(r) for r in self.records],
-        }
-
-
-class PlanExchange(Protocol):
-    """Gathers one object from every tensor-parallel rank, in rank order."""
-
-    def all_gather(self, obj: Any) -> list[Any]: ...
-
-
-class PaddleExchange:
-    """The TP group's ``all_gather_object``: what FastDeploy workers use."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        import paddle.distributed as dist
-
-        gathered: list[Any] = []
-        dist.all_gather_object(gathered, obj, group=self._group)
-        return gathered
-
-
-def default_exchange(fd_config: Any) -> PlanExchange | None:
-    parallel = getattr(fd_config, "parallel_config", None)
-    if getattr(parallel, "tensor_parallel_size", 1) <= 1:
-        return None
-    return PaddleExchange(getattr(parallel, "tp_group", None))
-
-
-#: Builds the exchange for a session from the runner's ``fd_config``; tests replace it.
-exchange_factory: Callable[[Any], PlanExchange | None] = default_exchange
-
-
-def plan_diff(fingerprints: list[dict]) -> list[str]:
-    """One line per rank whose plan differs from rank 0's, naming each differing key."""
-    lines = []
-    reference = fingerprints[0]
-    for rank, fingerprint in enumerate(fingerprints[1:], start=1):
-        keys = sorted(set(reference) | set(fingerprint))
-        diffs = [
-            f"{key}: rank 0 {reference.get(key)!r} vs rank {rank} {fingerprint.get(key)!r}"
-            for key in keys
-            if reference.get(key) != fingerprint.get(key)
-        ]
-        if diffs:
-            lines.append(f"rank {rank}: " + "; ".join(diffs))
-    return lines
-
-
-_active: CaptureSession | None = None
-_ended = 0
 _process_warmed = False
-
-
-def active() -> CaptureSession | None:
-    return _active
-
-
-def sessions_ended() -> int:
-    return _ended
+_dot_unsupported_logged = False
 
 
 def process_warmed() -> bool:
@@ -182,228 +45,173 @@ def mark_warmed() -> None:
 
 
 def reset_for_tests() -> None:
-    global _active, _ended, _process_warmed
-    _active, _ended, _process_warmed = None, 0, False
+    global _process_warmed
+    _process_warmed = False
 
 
-class CaptureSession:
-    """One run of a FastDeploy capture loop. Use as a context manager."""
+class Capturer:
+    """Captures the entries of one backend, in the order every tensor-parallel rank follows."""
 
     def __init__(
         self,
-        phase: str,
-        *,
-        fd_config: Any = None,
-        options: PluginOptions | None = None,
-        exchange: PlanExchange | None = None,
+        settings: Settings,
+        runtime: GraphRuntime,
+        pool_policy: str,
+        static: StaticGraphDriver | None,
     ) -> None:
-        self.options = options or PluginOptions.from_env()
-        self.phase = phase
-        parallel = getattr(fd_config, "parallel_config", None)
-        self.rank = int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
-        self.exchange = exchange if exchange is not None else exchange_factory(fd_config)
-        self.report = CaptureReport(
-            phase, self.rank, self.options.warmup, self.options.ar_registration
+        self.settings = settings
+        self.runtime = runtime
+        self.pool_policy = pool_policy
+        self.static = static
+        #: The pool this backend captures into; taken at its first capture, given back on clear.
+        self.pool: object | None = None
+        self.captures = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the captures since the last clear (the graphs are released by the caller)."""
+        self._next = 0
+        self._since_clear = 0
+
+    def release_pool(self, owner: object) -> None:
+        pools_for(self.runtime).release(self.pool_policy, self.pool, id(owner))
+        self.pool = None
+
+    def warm_only(
+        self, owner: Member, entry: GraphEntry, runnable: Callable, kwargs: dict, session: Any
+    ) -> Any:
+        """The warm-only pass of ``warm_all_first``: warm up, capture nothing."""
+        count = max(self.settings.num_warmups, 1)
+        session.note_warmups(owner, entry.phase, entry.size, count)
+        return self._warm_up(runnable, kwargs, count)
+
+    def capture(
+        self,
+        owner: Member,
+        entry: GraphEntry,
+        runnable: Callable,
+        kwargs: dict,
+        static: bool,
+        session: CaptureSession | None,
+    ) -> None:
+        """Warm up and capture ``entry``; raise ``CaptureError`` naming the size and the cause."""
+        if entry.phase == DECODE:
+            self._check_order(entry.size)
+        if self.pool is None and not static:
+            self.pool = pools_for(self.runtime).acquire(self.pool_policy, id(owner))
+        warmups = self._warmup_count(session)
+        started = time.perf_counter()
+        try:
+            self._warm_up(runnable, kwargs, warmups)
+            self.runtime.synchronize()
+            # Measured around the capture alone: warm-ups may grow ordinary allocator memory.
+            before = self.runtime.pool_bytes(self.pool)
+            with allreduce.capture_context():
+                if static:
+                    self.static.capture(runnable, kwargs, entry.size)
+                else:
+                    entry.graph, entry.result = self.runtime.capture(
+                        lambda: runnable(**kwargs), self.pool
+                    )
+                    entry.replay = getattr(entry.graph, "replay_fn", entry.graph.replay)
+            entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
+        except Exception as error:
+            raise self._error(entry, static, error) from error
+        entry.static_captured = static
+        entry.capture_seconds = time.perf_counter() - started
+        if entry.phase == DECODE:
+            self._next += 1
+        self._since_clear += 1
+        self.captures += 1
+        if session is not None:
+            session.record(
+                owner, entry.phase, entry.size, entry.capture_seconds, entry.graph_bytes, warmups
+            )
+        logger.debug(
+            "captured %s graph of size %d in %.3f s", entry.phase, entry.size, entry.capture_seconds
         )
-        #: ``"warm"`` during the first pass of ``warm_all_first``: warm up, capture nothing.
-        self.pass_ = "capture"
-        self._warmed: dict[tuple[int, str, int], int] = {}
-        self._after: list[Callable[[], object]] = []
-        self._bars: dict[tuple[str, str], Any] = {}
-        self._stack = contextlib.ExitStack()
-        self._started = 0.0
-        self._unfreeze = False
+        if not static:
+            options = self.settings.options
+            if options.check_addresses:
+                from fd_cudagraph_plugin import guards
 
-    @property
-    def warm_pass(self) -> bool:
-        return self.pass_ == "warm"
+                entry.addresses = guards.input_addresses(kwargs)
+            if options.dump_dot:
+                self._dump_dot(owner, entry)
 
-    def __enter__(self) -> CaptureSession:
-        global _active
-        if _active is not None:
-            raise RuntimeError("capture sessions do not nest")
-        self._started = time.perf_counter()
-        self._unfreeze = gc.get_freeze_count() == 0
-        gc.collect()
-        gc.freeze()
-        _active = self
-        try:
-            self.check_plan()
-            self.report.setup_seconds = time.perf_counter() - self._started
-            if self.options.ar_registration == "session":
-                # One registration collective for the whole session instead of one per graph.
-                # Warm-ups inside this context all-reduce into placeholder buffers (FastDeploy's
-                # custom all-reduce returns empty_like outside an active capture): their values
-                # are garbage, which is harmless for warm-ups and dummy runs.
-                self._stack.enter_context(allreduce.capture_context())
-        except BaseException:
-            self._close()
-            raise
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            self._stack.close()  # per-session all-reduce registration happens here
-            if exc_type is None:
-                for action in self._after:
-                    action()
-        finally:
-            self._close()
-        if exc_type is None:
-            self._finish()
-
-    def after(self, action: Callable[[], object]) -> None:
-        """Run ``action`` when the session ends, after its all-reduce registration."""
-        self._after.append(action)
-
-    def note_warmups(self, backend: Any, entry: Any, count: int) -> None:
-        """Warm-ups run for ``entry`` in the warm-only pass, to report with its capture."""
-        self._warmed[(id(backend), entry.phase, entry.size)] = count
-
-    def _close(self) -> None:
-        global _active, _ended
-        for bar in self._bars.values():
-            bar.close()
-        if self._unfreeze:
-            gc.unfreeze()
-        _active = None
-        _ended += 1
-        self.report.seconds = time.perf_counter() - self._started
-
-    def _finish(self) -> None:
-        logger.info("%s", self.report.summary())
-        for backend in stats.live_backends():
-            backend.capture_report = self.report
-        path = self.options.memory_report
-        if path:
-            if "{rank}" in path:
-                path = path.replace("{rank}", str(self.rank))
-            directory = os.path.dirname(path)
-            if directory:
-                os.makedirs(directory, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as handle:
-                json.dump(self.report.to_json(), handle, indent=1)
-
-    def check_plan(self) -> None:
-        """Every TP rank must plan the same captures; compare before the first one."""
-        if self.exchange is None:
+    def _check_order(self, size: int) -> None:
+        """Every TP rank must capture the same sizes in the same order (see allreduce.py)."""
+        if _is_xpu():
             return
-        from fd_cudagraph_plugin import __version__
-
-        mine = {
-            "plugin_version": __version__,
-            "phase": self.phase,
-            "warmup_policy": self.options.warmup,
-            "ar_registration": self.options.ar_registration,
-            "pool": self.options.pool,
-        }
-        for index, backend in enumerate(stats.live_backends()):
-            for key, value in backend.plan_fingerprint().items():
-                mine[f"backend{index}.{key}"] = value
-        everyone = self.exchange.all_gather(mine)
-        diff = plan_diff(everyone)
-        if diff:
-            raise RankMismatchError(
-                f"tensor-parallel ranks plan different CUDA-graph captures (this is rank "
-                f"{self.rank}); capturing would hang in the custom all-reduce registration. "
-                + " | ".join(diff)
-                + ". Start every rank with the same --graph-optimization-config, "
-                "--speculative-config, --max-num-seqs and FD_CUDAGRAPH_* variables."
+        plan = self.settings.capture_sizes
+        if self._next >= len(plan):
+            raise CaptureOrderError(
+                f"CUDA graph capture of size {size} after all {len(plan)} planned captures "
+                f"({list(plan)}) were done. A capture outside capture_model() can hang "
+                f"tensor-parallel ranks; check what calls the model with step_use_cudagraph=True "
+                f"after capture."
+            )
+        expected = plan[self._next]
+        if size != expected:
+            raise CaptureOrderError(
+                f"CUDA graph capture order: expected size {expected} (capture #{self._next} of "
+                f"plan {list(plan)}), got {size}. FastDeploy's capture_model() captures largest "
+                f"first; check that cudagraph_capture_sizes and the dummy-run batch sizes agree on "
+                f"every rank."
             )
 
-    def record(self, backend: Any, entry: Any, warmups: int) -> None:
-        warmups += self._warmed.pop((id(backend), entry.phase, entry.size), 0)
-        record = CaptureRecord(
-            backend=f"{id(backend):#x}",
-            role=backend.role,
-            phase=entry.phase,
-            size=entry.size,
-            seconds=entry.capture_seconds,
-            graph_bytes=entry.graph_bytes,
-            warmups=warmups,
-        )
-        self.report.records.append(record)
-        self._progress(backend, record)
+    def _warmup_count(self, session: CaptureSession | None) -> int:
+        policy = self.settings.options.warmup
+        count = self.settings.num_warmups
+        if policy == "warm_all_first" and session is not None:
+            count = 0  # every size was warmed in the session's first pass
+        elif policy == "largest_only" and self._since_clear:
+            count = 0
+        if not process_warmed():
+            # Capturing a cold model fails: libraries initialise lazily (cuBLAS raised
+            # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.
+            count = max(count, 1)
+        return count
 
-    def _progress(self, backend: Any, record: CaptureRecord) -> None:
-        if self.rank != 0:
+    @staticmethod
+    def _warm_up(runnable: Callable, kwargs: dict, count: int) -> Any:
+        result = None
+        for _ in range(count):
+            result = runnable(**kwargs)
+            mark_warmed()
+        return result
+
+    def _dump_dot(self, owner: object, entry: GraphEntry) -> None:
+        directory = os.path.join(os.environ.get("FD_LOG_DIR", "log"), "GraphDotFiles")
+        path = os.path.join(directory, f"backend{id(owner):x}_{entry.phase}{entry.size}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            written = self.runtime.dump_dot(entry.graph, path)
+        except OSError as error:
+            stats.output_failed("FD_CUDAGRAPH_DUMP_DOT", path, error)
             return
-        label = "draft" if record.role == "draft" else record.phase
-        bar = self._bars.get((label, record.backend))
-        if bar is None:
-            from tqdm import tqdm
-
-            total = sum(1 for e in backend.expected_entries() if e.phase == record.phase)
-            bar = tqdm(
-                total=total,
-                desc=f"CUDA graphs ({label})",
-                unit="graph",
-                # Always on rank 0: in a FastDeploy worker stderr goes to its log file, where
-                # tqdm writes a line per update, as for FastDeploy's own weight-loading bars.
-                file=sys.stderr,
+        global _dot_unsupported_logged
+        if not written and not _dot_unsupported_logged:
+            _dot_unsupported_logged = True
+            logger.warning(
+                "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.", self.runtime.name
             )
-            self._bars[(label, record.backend)] = bar
-        graph_bytes = sum(r.graph_bytes for r in self.report.records if r.backend == record.backend)
-        bar.set_postfix_str(f"size {record.size}, graph memory {human_bytes(graph_bytes)}")
-        bar.update(1)
+
+    def _error(self, entry: GraphEntry, static: bool, error: Exception) -> CaptureError:
+        settings = self.settings
+        return CaptureError(
+            f"CUDA graph capture failed for {entry.phase} size {entry.size} "
+            f"({'static' if static else 'dynamic'} mode, "
+            f"graph_opt_level={settings.graph_opt_level}, "
+            f"full_cuda_graph={settings.full_cuda_graph}): {type(error).__name__}: {error}. "
+            f"The size stays uncaptured and the next call retries it. If this is out of memory, "
+            f"{_OOM_ADVICE}."
+        )
 
 
-# ---------------------------------------------------------------------------- runner hooks
-
-_HOOKS = (("capture_model", "decode"), ("capture_model_prefill_and_mixed", "prefill"))
-# The runners with their own CUDA-graph capture loops: GPU (and its DCU and Iluvatar subclasses)
-# and MetaX MACA. The MTP proposer has none; its draft captures inside the target's loop.
-_RUNNERS = (
-    ("fastdeploy.worker.gpu_model_runner", "GPUModelRunner"),
-    ("fastdeploy.worker.metax_model_runner", "MetaxModelRunner"),
-)
-
-
-def _loaded_runners() -> list[type]:
-    found = []
-    for module_name, class_name in _RUNNERS:
-        runner = getattr(sys.modules.get(module_name), class_name, None)
-        if runner is not None:
-            found.append(runner)
-    return found
-
-
-def _wrap(method: Callable, phase: str) -> Callable:
-    @functools.wraps(method)
-    def run_in_session(runner: Any, *args: Any, **kwargs: Any) -> Any:
-        if _active is not None:
-            return method(runner, *args, **kwargs)
-        with CaptureSession(phase, fd_config=getattr(runner, "fd_config", None)) as session:
-            if session.options.warmup == "warm_all_first":
-                # Warm every size before capturing any, so a workspace that grows at a smaller
-                # size cannot invalidate a graph captured earlier (TensorRT-LLM #16319).
-                session.pass_ = "warm"
-                method(runner, *args, **kwargs)
-                session.pass_ = "capture"
-            return method(runner, *args, **kwargs)
-
-    run_in_session._fd_cudagraph_original = method  # type: ignore[attr-defined]
-    return run_in_session
-
-
-def install_runner_hooks() -> bool:
-    """Wrap FastDeploy's capture loops in sessions. Idempotent; False if the runner isn't loaded.
-
-    ``register()`` runs while ``gpu_model_runner`` is still being imported, so this is called from
-    the first backend's constructor (the memory-profile run, before any capture) instead.
-    """
-    runners = _loaded_runners()
-    for runner in runners:
-        for name, phase in _HOOKS:
-            method = runner.__dict__.get(name)
-            if method is not None and not hasattr(method, "_fd_cudagraph_original"):
-                setattr(runner, name, _wrap(method, phase))
-    return bool(runners)
-
-
-def uninstall_runner_hooks() -> None:
-    for runner in _loaded_runners():
-        for name, _ in _HOOKS:
-            original = getattr(runner.__dict__.get(name), "_fd_cudagraph_original", None)
-            if original is not None:
-                setattr(runner, name, original)
+def _is_xpu() -> bool:
+    try:
+        from fastdeploy.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_xpu())

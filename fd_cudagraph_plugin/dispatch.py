@@ -1,110 +1,211 @@
-"""The replay hot path: a decode step -> graph replay, served from precomputed tables.
+"""Which graph serves a step: the replay hot path, and the general path for everything else.
 
-Two tables: by token count (plain decode) and by running requests, ``forward_meta.real_bsz``
-(speculative decode, where each entry also holds its graph's size: a step with more tokens than
-that must not replay it). ``FastDispatch`` is the C implementation (``_fastpath.c``) when the
-extension was built at install time, else the pure-Python ``PyDispatch`` below; both behave
-identically and the tests run both. A step the tables cannot serve (prefill, no graph yet, a
-running count the runner did not set, 0 tokens) goes to ``self._dispatch(kwargs, meta)``.
+The hot path (``__call__``) serves a decode step whose key has a published graph: a few attribute
+reads, one list index, ``replay()`` and a counter bump. Any other step goes to ``_dispatch``:
+prefill, 0 tokens, an oversized step, a size not captured yet (captured now if a capture session
+is running, else run eagerly), or a step due for an address check.
+
+The backend class inherits this and supplies ``_capture_and_run`` (see ``backend.py``); this module
+knows nothing about capturing.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from fd_cudagraph_plugin.entries import PREFILL, Counts, GraphEntry, Tables
+from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.static import StaticGraphDriver
 
-class PyDispatch:
-    """Pure-Python twin of the C ``FastDispatch``."""
+logger = logging.getLogger("fd_cudagraph_plugin")
 
-    _fast_every = 0  # see _fast_period
-    _fast_ticks = 0
 
-    def _fast_init(self, length: int, spec_length: int = 0) -> None:
-        self._fast_replays: list = [None] * length
-        self._fast_results: list = [None] * length
-        self._fast_counts = [0] * length
-        self._fast_length = length
-        self._spec_replays: list = [None] * spec_length
-        self._spec_results: list = [None] * spec_length
-        self._spec_sizes = [0] * spec_length
-        self._spec_hits = [0] * spec_length
-        self._spec_tokens = [0] * spec_length
-        self._spec_token_hits = [0] * length
-        self._spec_length = spec_length
-
-    def _fast_set(self, tokens: int, replay: Any, result: Any) -> None:
-        if not 0 <= tokens < self._fast_length:
-            raise IndexError("token count outside the fast table")
-        self._fast_replays[tokens] = replay
-        self._fast_results[tokens] = result
-
-    def _spec_set(self, running: int, replay: Any, result: Any, size: int) -> None:
-        if not 0 <= running < self._spec_length:
-            raise IndexError("running-request count outside the fast table")
-        self._spec_replays[running] = replay
-        self._spec_results[running] = result
-        self._spec_sizes[running] = size
-
-    def _fast_period(self, period: int) -> None:
-        if period < 0:
-            raise ValueError("period must be >= 0")
-        self._fast_every = period
-        self._fast_ticks = 0
-
-    def _fast_hits(self) -> list[int]:
-        return list(self._fast_counts)
-
-    def _spec_counts(self) -> tuple[list[int], list[int], list[int]]:
-        return list(self._spec_hits), list(self._spec_tokens), list(self._spec_token_hits)
+class Dispatch:
+    settings: Settings
+    tables: Tables
+    counts: Counts
+    dy_runnable: Any
+    runnable: Any
+    _static: StaticGraphDriver | None
+    #: ``FD_CUDAGRAPH_CHECK_ADDRESSES`` as a period: 0 off, 1 always, N every Nth replay.
+    _guard_every: int = 0
+    _guard_ticks: int = 0
+    #: True when the hot path's key is ``forward_meta.real_bsz`` (speculative decoding).
+    _by_running: bool = False
+    # The hot path's copies of tables.served and counts.steps/tokens (see _set_tables).
+    _served: list[GraphEntry | None]
+    _keys: int
+    #: ``_keys`` where the key is the token count, else 0: the first test of the hot path.
+    _token_keys: int
+    _steps: list[int]
+    _tokens: list[int]
 
     def __call__(self, **kwargs: Any) -> Any:
         meta = kwargs["forward_meta"]
         tokens = meta.ids_remove_padding.shape[0]
-        if tokens < self._fast_length:
-            replay = self._fast_replays[tokens]
-            if replay is not None:
-                if not meta.exist_prefill and not (self._fast_every and self._sampled()):
-                    result, counts = self._fast_results[tokens], self._fast_counts
-                    replay()
-                    if counts is self._fast_counts:  # unless the replay itself reset the tables
-                        counts[tokens] += 1
-                    return result
-            elif self._spec_length:
-                running = meta.real_bsz
-                if (
-                    type(running) is int
-                    and 0 < running < self._spec_length
-                    and self._spec_replays[running] is not None
-                    and tokens <= self._spec_sizes[running]
-                    and not meta.exist_prefill
-                    and not (self._fast_every and self._sampled())
-                ):
-                    hits = self._spec_hits
-                    result = self._spec_results[running]
-                    self._spec_replays[running]()
-                    if hits is self._spec_hits:
-                        hits[running] += 1
-                        self._spec_tokens[running] += tokens
-                        self._spec_token_hits[tokens] += 1
-                    return result
-        return self._dispatch(kwargs, meta)
+        if tokens < self._token_keys:
+            entry = self._served[tokens]
+            if (
+                entry is not None
+                and not meta.exist_prefill
+                and not (self._guard_every and self._guard_due())
+            ):
+                result = entry.result
+                entry.replay()
+                self._steps[tokens] += 1
+                return result
+        elif self._by_running:
+            return self._call_by_running(kwargs, meta, tokens)
+        return self._dispatch(kwargs, meta, tokens)
 
-    def _sampled(self) -> bool:
-        """True on every ``period``-th servable call: it goes to ``_dispatch`` for checks."""
-        self._fast_ticks += 1
-        if self._fast_ticks < self._fast_every:
+    def _call_by_running(self, kwargs: dict, meta: Any, tokens: int) -> Any:
+        """The hot path under speculative decoding: keyed by running requests, and a step with
+        more tokens than its graph's size goes to the general path."""
+        running = meta.real_bsz
+        if 0 < running < self._keys:
+            entry = self._served[running]
+            if (
+                entry is not None
+                and tokens <= entry.size
+                and not meta.exist_prefill
+                and not (self._guard_every and self._guard_due())
+            ):
+                result = entry.result
+                entry.replay()
+                self._steps[running] += 1
+                self._tokens[running] += tokens
+                return result
+        return self._dispatch(kwargs, meta, tokens)
+
+    def _set_tables(self, tables: Tables, counts: Counts) -> None:
+        """Point the hot path at ``tables`` and ``counts`` (at construction and on clear)."""
+        self.tables, self.counts = tables, counts
+        self._served, self._keys = tables.served, len(tables.served)
+        self._token_keys = 0 if self._by_running else self._keys
+        self._steps, self._tokens = counts.steps, counts.tokens
+
+    def _guard_due(self) -> bool:
+        """True on every Nth servable call: it goes to ``_dispatch`` for the address check."""
+        self._guard_ticks += 1
+        if self._guard_ticks < self._guard_every:
             return False
-        self._fast_ticks = 0
+        self._guard_ticks = 0
         return True
 
-    def _dispatch(self, kwargs: dict, meta: Any) -> Any:
+    # ------------------------------------------------------------------ the general path
+
+    def _dispatch(self, kwargs: dict, meta: Any, tokens: int) -> Any:
+        settings = self.settings
+        tables = self.tables
+        if meta.exist_prefill:
+            if settings.static_split:
+                if not 0 < tokens < len(tables.prefill_for_tokens):
+                    return self._eager("oversized_prefill", tokens, kwargs, static=True)
+                return self._serve(tables.prefill_for_tokens[tokens], None, tokens, kwargs)
+            if not settings.only_prefill:
+                return self._eager("prefill", tokens, kwargs)
+            # cudagraph_only_prefill (PD prefill nodes): prefill-only steps are keyed by token
+            # count through the decode-size list, as FastDeploy's own backend does.
+            self._saw_only_prefill_step = True
+        elif settings.only_prefill:
+            # Graphs of this mode hold prefill kernels; a decode step must not replay them.
+            return self._eager("decode_in_prefill_only_mode", tokens, kwargs)
+        if tokens == 0:
+            # Nothing to compute, and a graph would re-run its kernels on the last step's
+            # metadata (FastDeploy #3888).
+            return self._eager("zero_tokens", tokens, kwargs)
+        key = self._running(meta) if self._by_running else tokens
+        entry = None
+        if self._by_running and 0 < key < len(tables.served):
+            size = settings.key_table[key]
+            # The running-request count names a token size; a step with more tokens than that
+            # (an under-predicted real_bsz) must not replay a graph with fewer rows.
+            if size and tokens <= size:
+                entry = tables.decode[size]
+        if entry is None:
+            if tokens > settings.max_size:
+                self.counts.other_keys[key] += 1
+                return self._eager("oversized_decode", tokens, kwargs)
+            entry = tables.decode_for_tokens[tokens]
+            if self._by_running:
+                self.counts.other_keys[key] += 1
+                key = None  # served by token count, and counted so
+        return self._serve(entry, key, tokens, kwargs)
+
+    def _running(self, meta: Any) -> int:
+        """Running requests: ``real_bsz`` where the runner sets it, else (FastDeploy 2.5, and
+        the dummy runs that pass 0) the sequences with tokens this step, as 2.5's backend does."""
+        running = meta.real_bsz
+        if running:
+            return int(running)
+        seq_lens = meta.seq_lens_this_time
+        if seq_lens is None:
+            return 0
+        return int((seq_lens.flatten() > 0).sum())
+
+    def _serve(self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict) -> Any:
+        """``key``: the decode key to count the step under; None to count it by token count."""
+        static = entry.phase == PREFILL or self.settings.static_full
+        if entry.disabled:
+            return self._eager("self_check_failed", tokens, kwargs, static, key)
+        if entry.captured:
+            return self._run_graph(entry, key, tokens, kwargs)
+        if entry.size != tokens:
+            # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
+            return self._eager("not_captured", tokens, kwargs, static, key)
+        return self._capture_and_run(entry, key, tokens, kwargs, static)
+
+    def _run_graph(self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict) -> Any:
+        """Replay ``entry`` for a step of ``tokens`` tokens, counted under ``key``."""
+        if entry.addresses and self._guard_every:
+            from fd_cudagraph_plugin import guards
+
+            guards.check_addresses(entry.addresses, kwargs, entry.size)
+        counts = self.counts
+        if entry.phase == PREFILL:
+            counts.prefill_steps[tokens] += 1
+        elif key is None:
+            counts.by_tokens[tokens] += 1
+        else:
+            counts.steps[key] += 1
+            if self._by_running:
+                counts.tokens[key] += tokens
+        if entry.graph is None:
+            return self._static.replay(self.runnable, kwargs, entry.size)
+        entry.replay()
+        return entry.result
+
+    def _eager(
+        self, reason: str, tokens: int, kwargs: dict, static: bool = False, key: int | None = None
+    ) -> Any:
+        """Run the step without a graph: ``dy_runnable``, or for a static entry the static
+        program with CUDA graphs off (the driver turns REPLAY of an uncaptured key into DISABLE).
+        ``key``: a decode step's key, counted as observed."""
+        counts = self.counts
+        counts.fallbacks[reason] += 1
+        if key is not None:
+            counts.other_keys[key] += 1
+        if reason != "prefill" and (reason, tokens) not in self._warned:
+            self._warned.add((reason, tokens))
+            limit = (
+                self.settings.prefill_sizes[0] if reason == "oversized_prefill" else None
+            ) or self.settings.max_size
+            logger.warning(
+                "CUDA graph backend %#x: %d tokens ran without a graph (%s); the largest "
+                "captured %s size is %d. Further steps of this shape are counted in stats() "
+                "without another warning.",
+                id(self),
+                tokens,
+                reason.replace("_", " "),
+                "prefill" if reason == "oversized_prefill" else "decode",
+                limit,
+            )
+        if static and self._static is not None:
+            return self._static.replay(self.runnable, kwargs, 0)
+        return self.dy_runnable(**kwargs)
+
+    def _capture_and_run(
+        self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict, static: bool
+    ) -> Any:
         raise NotImplementedError
-
-
-try:
-    from fd_cudagraph_plugin._fastpath import FastDispatch
-except ImportError:  # built without a C compiler: same behaviour, about 0.3 us slower a call
-    FastDispatch = PyDispatch
-
-#: True when the C hot path is in use.
-NATIVE_FASTPATH = FastDispatch is not PyDispatch

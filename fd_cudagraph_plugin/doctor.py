@@ -283,22 +283,6 @@ def check_unknown_options(environ: Mapping[str, str]) -> CheckResult:
     )
 
 
-def check_fastpath(environ: Mapping[str, str]) -> CheckResult:
-    """The replay hot path is the C extension, not the pure-Python twin."""
-    from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH
-
-    if NATIVE_FASTPATH:
-        return CheckResult("C hot path", OK, "fd_cudagraph_plugin._fastpath is built and used.")
-    return CheckResult(
-        "C hot path",
-        WARN,
-        "not built; the pure-Python twin serves replays (same behaviour, about 0.3 us more per "
-        "replay).",
-        f"install a C compiler and Python headers, then pip install --force-reinstall --no-deps "
-        f"{DISTRIBUTION}.",
-    )
-
-
 CHECKS: tuple[Callable[[Mapping[str, str]], CheckResult], ...] = (
     check_entry_point,
     check_fd_plugins,
@@ -307,7 +291,6 @@ CHECKS: tuple[Callable[[Mapping[str, str]], CheckResult], ...] = (
     check_cuda_graphs,
     check_options,
     check_unknown_options,
-    check_fastpath,
 )
 
 

@@ -115,3 +115,17 @@ def clone(result: Any) -> Any:
     if isinstance(result, (list, tuple)):
         return [t.clone() if isinstance(t, paddle.Tensor) else t for t in result]
     return result
+
+
+def self_check(entry: Any, eager: Any) -> str | None:
+    """Replay ``entry``'s new graph and compare with ``eager()`` on the same inputs; None when
+    they agree, else a message naming the size and what differs."""
+    entry.replay()
+    problem = first_mismatch(clone(entry.result), eager())
+    if problem is None:
+        return None
+    return (
+        f"CUDA graph self-check failed for {entry.phase} size {entry.size}: {problem}. An op in "
+        f"the model does not replay like it runs eagerly (host-side values, dynamic shapes, or an "
+        f"all-reduce outside the capture context)."
+    )

@@ -1,15 +1,16 @@
 """Graph memory pools, handed out by policy (``FD_CUDAGRAPH_POOL``).
 
-* ``device`` (default): every backend of the process (target model, MTP draft, any other decorated
-  backbone) captures into one pool. Sharing is safe because graphs of one device replay on one
-  stream, one at a time, so the scratch memory one graph reuses from another is never live in both
-  at once; and outputs that must survive a replay stay referenced, so no later capture is handed
-  their memory. Replaying graphs of one pool concurrently on several streams would break this.
-* ``instance``: one pool per backend, FastDeploy's ``use_unique_memory_pool=True``.
-* ``graph``: Paddle's private pool per graph; every graph pays for its own scratch memory.
+* ``instance`` (default): one pool per backend, FastDeploy's ``use_unique_memory_pool=true``.
+* ``device``: every backend of the process captures into one pool. A graph's outputs stay valid
+  only until the next replay of *any* graph in that pool: graphs captured earlier reuse, as
+  scratch, memory that later captures' outputs occupy. So sharing is safe only while each
+  backend's outputs are consumed before another backend replays. With a draft model (MTP) that
+  rule rests on FastDeploy's call order, and ``/v1/sleep`` clears the target only, so the draft
+  would keep the shared pool alive: ``device`` is refused with a draft model.
+* ``graph``: Paddle's private pool per graph; every graph pays for its own scratch memory. This is
+  what FastDeploy's ``use_unique_memory_pool=false`` does.
 
-A shared pool stays until its last user clears its graphs, so clearing the draft model never frees
-memory the target model's graphs still use.
+A shared pool stays until its last user clears its graphs.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ class PoolManager:
             if self._device_users or pool is not self._device_pool:
                 logger.info(
                     "CUDA graph pool kept: %d other backend(s) still capture into it, so its "
-                    "memory returns when they clear too (FastDeploy's sleep('weight') clears the "
-                    "target model only; FD_CUDAGRAPH_POOL=instance frees per backend).",
+                    "memory returns when they clear too (FD_CUDAGRAPH_POOL=device).",
                     len(self._device_users),
                 )
                 return

@@ -29,13 +29,21 @@ class Option:
     parse: Callable[[str], object] | None = None
 
 
+#: Longest stats interval: a day. Longer waits overflow the reporter thread's timer.
+MAX_INTERVAL_SECONDS = 86400.0
+#: Sparsest address-check sampling; anything sparser checks nothing in practice.
+MAX_SAMPLING_PERIOD = 1_000_000
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError("must be a number of seconds >= 0 (0 turns it off)")
+    if not 0 <= value <= MAX_INTERVAL_SECONDS:
+        raise ValueError(
+            f"must be a number of seconds from 0 (off) to {MAX_INTERVAL_SECONDS:.0f} (a day)"
+        )
     return value
 
 
@@ -45,13 +53,14 @@ def _path(text: str) -> str:
 
 def _sampling(text: str) -> int:
     """``off`` -> 0, ``always`` -> 1, ``sampled:N`` -> N (check one replay in N)."""
+    text = text.lower()
     if text == "off":
         return 0
     if text == "always":
         return 1
     prefix, _, count = text.partition(":")
-    if prefix != "sampled" or not count.isdigit() or int(count) < 1:
-        raise ValueError("must be off, always, or sampled:N with N >= 1")
+    if prefix != "sampled" or not count.isdigit() or not 1 <= int(count) <= MAX_SAMPLING_PERIOD:
+        raise ValueError(f"must be off, always, or sampled:N with 1 <= N <= {MAX_SAMPLING_PERIOD}")
     return int(count)
 
 
@@ -71,10 +80,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "FD_CUDAGRAPH_POOL",
-        "device",
-        ("device", "instance", "graph"),
-        "Graph memory pools: one per device shared by every backend, one per backend (FastDeploy's "
-        "`use_unique_memory_pool`), or Paddle's private pool per graph.",
+        "instance",
+        ("instance", "device", "graph"),
+        "Graph memory pools: one per backend (FastDeploy's `use_unique_memory_pool=true`), one "
+        "per device shared by every backend (not with a draft model), or Paddle's private pool per "
+        "graph.",
     ),
     Option(
         "FD_CUDAGRAPH_WARMUP",
@@ -82,18 +92,6 @@ OPTIONS: tuple[Option, ...] = (
         ("per_size", "warm_all_first", "largest_only"),
         "Eager warm-ups before capture: before each size, every size before any capture, or only "
         "before the largest.",
-    ),
-    Option(
-        "FD_CUDAGRAPH_AR_REGISTRATION",
-        "per_graph",
-        ("per_graph", "session"),
-        "Custom all-reduce buffer registration: after every graph, or once per capture session.",
-    ),
-    Option(
-        "FD_CUDAGRAPH_LATE_CAPTURE",
-        "eager",
-        ("eager", "capture", "error"),
-        "A capture attempt after capture_model() has ended: run eagerly, capture anyway, or raise.",
     ),
     Option(
         "FD_CUDAGRAPH_CHECK_ADDRESSES",
@@ -146,6 +144,30 @@ OPTIONS: tuple[Option, ...] = (
 
 BY_ENV = {option.env: option for option in OPTIONS}
 
+#: Options and values that earlier versions had, with why they went. Setting one is an error, so a
+#: deployment that relied on one learns it at start-up instead of silently getting other behaviour.
+REMOVED: dict[str, str] = {
+    "FD_CUDAGRAPH_AR_REGISTRATION": (
+        "custom all-reduce buffers are now always registered after each graph, as FastDeploy "
+        "does: inside FastDeploy's capture context every eager step all-reduces into empty "
+        "buffers, so registering once per session computed garbage and could replay a graph "
+        "before its buffers were registered"
+    ),
+    "FD_CUDAGRAPH_LATE_CAPTURE": (
+        "a size first seen after capture_model() now always runs eagerly: a capture on one "
+        "tensor-parallel rank alone hangs the others"
+    ),
+}
+
+
+def removed_option_error(environ: Mapping[str, str]) -> ConfigError | None:
+    """The error for the first removed option set in ``environ``, or None."""
+    for env, why in REMOVED.items():
+        raw = environ.get(env)
+        if raw is not None and raw.strip():
+            return ConfigError(f"{env} was removed in fd-cudagraph-plugin 0.2: {why}. Unset {env}.")
+    return None
+
 
 def read_option(env: str, environ: Mapping[str, str] | None = None) -> object:
     """Return the validated value of one option; a bad value is a ``ConfigError``."""
@@ -176,8 +198,6 @@ class PluginOptions:
     pool: str
     pool_set: bool
     warmup: str
-    ar_registration: str
-    late_capture: str
     check_addresses: int
     self_check: str
     memory_report: str
@@ -189,6 +209,9 @@ class PluginOptions:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginOptions:
         source = os.environ if environ is None else environ
+        removed = removed_option_error(source)
+        if removed is not None:
+            raise removed
 
         def get(name: str) -> object:
             return read_option(f"FD_CUDAGRAPH_{name}", source)
@@ -199,8 +222,6 @@ class PluginOptions:
             pool=get("POOL"),
             pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
             warmup=get("WARMUP"),
-            ar_registration=get("AR_REGISTRATION"),
-            late_capture=get("LATE_CAPTURE"),
             check_addresses=get("CHECK_ADDRESSES"),
             self_check=get("SELF_CHECK"),
             memory_report=get("MEMORY_REPORT"),

@@ -102,6 +102,11 @@ class Settings:
         return self.speculative_method is not None and any(self.bsz_table)
 
     @property
+    def key_table(self) -> tuple[int, ...]:
+        """Index = the hot path's key (token count, or running requests), value = graph size."""
+        return self.bsz_table if self.speculative else self.decode_table
+
+    @property
     def max_size(self) -> int:
         return self.capture_sizes[0]
 

@@ -33,7 +33,26 @@ def register_backend(backend: Any) -> None:
         _backends[:] = [ref for ref in _backends if ref() is not None]
         backend.role = "draft" if _backends else "target"
         _backends.append(weakref.ref(backend))
-    _start_outputs(backend.settings.options)
+    _start_reporter(backend.settings.options)
+
+
+#: Writes of the plugin's own files that failed, by setting: logged once each, never raised.
+output_failures: Counter[str] = Counter()
+
+
+def output_failed(setting: str, path: str, error: BaseException) -> None:
+    """A report, stats or dot file could not be written: log once per setting and count it.
+    Observability must never stop capture, serving or ``clear_graph()``."""
+    output_failures[setting] += 1
+    if output_failures[setting] == 1:
+        logger.warning(
+            "%s: cannot write %s (%s: %s); serving goes on without it. Further failures are "
+            "counted in stats.output_failures without another warning.",
+            setting,
+            path,
+            type(error).__name__,
+            error,
+        )
 
 
 def live_backends() -> list[Any]:
@@ -93,48 +112,66 @@ def log_summary(reason: str, backends: list[Any] | None = None) -> None:
 
 
 class StatsFile:
-    """Appends a backend's observed decode token counts, as increments, for ``fd-cudagraph tune``.
+    """Appends a backend's observed decode steps, as increments, for ``fd-cudagraph tune``.
 
     One JSON object per line: ``{"format": "fd-cudagraph-stats/1", "time": ..., "rank": ...,
-    "backend": "0x...", "decode_token_counts": {"<tokens>": <steps>, ...}}``. Summing the
-    counts of every line gives the histogram. Written only at flushes (periodic, on clear, at exit).
+    "backend": "0x...", "decode_token_counts": {"<tokens>": <steps>, ...}}``; under speculative
+    decoding, where FastDeploy keys graphs by running requests, ``"running_request_counts"``
+    instead, with ``speculative_method`` and ``num_speculative_tokens``. Summing the counts of
+    every line gives the histogram. Written only at flushes (periodic, on clear, at exit); a
+    failed write is logged once and retried with the next flush.
     """
 
-    def __init__(self, path: str, rank: int, speculative_method: str | None = None) -> None:
-        self.path = path.replace("{rank}", str(rank))
-        self.rank = rank
-        self.speculative_method = speculative_method
-        self._written: dict[str, Counter[int]] = {}
+    def __init__(self, path: str, settings: Any) -> None:
+        self.path = path.replace("{rank}", str(settings.tp_rank))
+        self.rank = settings.tp_rank
+        self.speculative = settings.speculative
+        self.method = settings.speculative_method
+        self.k = settings.num_speculative_tokens
+        self._written: dict[str, dict[int, int]] = {}
 
     def flush(self, backend: Any) -> None:
         key = f"{id(backend):#x}"
-        current = backend.decode_token_counts()
-        previous = self._written.get(key, Counter())
+        current = backend.observed_keys()
+        previous = self._written.get(key, {})
         increments = {
             n: c - previous.get(n, 0) for n, c in current.items() if c > previous.get(n, 0)
         }
         if not increments:
             return
-        line = {
+        counts = {str(n): c for n, c in sorted(increments.items())}
+        line: dict[str, Any] = {
             "format": STATS_FORMAT,
             "time": round(time.time(), 3),
             "rank": self.rank,
             "backend": key,
-            "decode_token_counts": {str(n): c for n, c in sorted(increments.items())},
         }
-        if self.speculative_method:
-            line["speculative_method"] = self.speculative_method
-        directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(line) + "\n")
-        self._written[key] = Counter(current)
+        if self.speculative:
+            line["speculative_method"] = self.method
+            line["num_speculative_tokens"] = self.k
+            line["running_request_counts"] = counts
+        else:
+            line["decode_token_counts"] = counts
+        try:
+            directory = os.path.dirname(self.path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(line) + "\n")
+        except OSError as error:
+            output_failed("FD_CUDAGRAPH_STATS_FILE", self.path, error)
+            return
+        self._written[key] = current
 
 
 def flush_all() -> None:
     for backend in live_backends():
-        backend.flush_stats()
+        try:
+            backend.flush_stats()
+        except Exception:  # observability never takes serving down; say so once
+            if not output_failures["flush"]:
+                logger.exception("fd-cudagraph stats flush failed; serving goes on")
+            output_failures["flush"] += 1
 
 
 #: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0. FastDeploy
@@ -155,31 +192,35 @@ class _Reporter(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             flush_all()
-            if not self.log:
-                continue
-            totals = aggregate()
-            logger.info(
-                "CUDA graphs: %d replays, %d padded tokens, eager fallbacks %s, graph memory "
-                "%.0f MiB over %d backends",
-                sum(totals["replays"].values()),
-                totals["padded_tokens"],
-                totals["eager_fallbacks"] or 0,
-                totals["graph_bytes"] / (1 << 20),
-                len(totals["backends"]),
-            )
+            if self.log:
+                try:
+                    self._log_totals()
+                except Exception:  # a reporter that dies silently helps nobody; say it once
+                    if not output_failures["stats_log"]:
+                        logger.exception("fd-cudagraph periodic stats line failed")
+                    output_failures["stats_log"] += 1
+
+    @staticmethod
+    def _log_totals() -> None:
+        totals = aggregate()
+        logger.info(
+            "CUDA graphs: %d replays, %d padded tokens, eager fallbacks %s, graph memory "
+            "%.0f MiB over %d backends",
+            sum(totals["replays"].values()),
+            totals["padded_tokens"],
+            totals["eager_fallbacks"] or 0,
+            totals["graph_bytes"] / (1 << 20),
+            len(totals["backends"]),
+        )
 
 
-def _start_outputs(options: Any) -> None:
-    """Start what the options ask for once per process: the periodic thread, the metrics."""
+def _start_reporter(options: Any) -> None:
+    """Start the periodic thread once per process, if the options ask for it."""
     global _reporter
     if _reporter is None and (options.stats_interval > 0 or options.stats_file):
         interval = options.stats_interval or STATS_FILE_FLUSH_SECONDS
         _reporter = _Reporter(interval, log=options.stats_interval > 0)
         _reporter.start()
-    if options.metrics:
-        from fd_cudagraph_plugin import metrics
-
-        metrics.enable()
 
 
 def stop_reporter() -> None:

@@ -37,7 +37,7 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
 )
 from fastdeploy.platforms import current_platform  # noqa: E402
 
-from fd_cudagraph_plugin import capture, plugin, runtime, stats  # noqa: E402
+from fd_cudagraph_plugin import capture, plugin, runtime, session, stats  # noqa: E402
 from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
@@ -54,6 +54,7 @@ def _isolated_environment(monkeypatch):
     saved_runtimes = dict(runtime._RUNTIMES)
     saved_tp_ar = communication._TP_AR
     capture.reset_for_tests()
+    session.reset_for_tests()
     yield
     graph_optimization_backend.CudaGraphPiecewiseBackend = native
     cudagraph_piecewise_backend.CudaGraphPiecewiseBackend = native
@@ -63,7 +64,8 @@ def _isolated_environment(monkeypatch):
     communication._TP_AR = saved_tp_ar
     plugin._logged = False
     current_platform.device_name = None
-    capture.uninstall_runner_hooks()
+    session.uninstall_runner_hooks()
+    session.reset_for_tests()
     capture.reset_for_tests()
     stats.stop_reporter()
 

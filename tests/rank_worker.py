@@ -39,7 +39,7 @@ def main() -> int:
     folder, rank, world, sizes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     from conftest import TinyBackbone, make_config
 
-    from fd_cudagraph_plugin import capture
+    from fd_cudagraph_plugin import session
     from fd_cudagraph_plugin.backend import CudaGraphBackend
     from fd_cudagraph_plugin.errors import RankMismatchError
 
@@ -49,7 +49,7 @@ def main() -> int:
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     exchange = FileExchange(folder, rank, world)
     try:
-        with capture.CaptureSession("decode", fd_config=config, exchange=exchange):
+        with session.CaptureSession("decode", fd_config=config, exchange=exchange):
             pass
     except RankMismatchError as error:
         print(f"MISMATCH {error}")

@@ -9,28 +9,14 @@ import paddle
 import pytest
 from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend, PyCudaGraphBackend
-from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH
+from fd_cudagraph_plugin.backend import CudaGraphBackend
 from fd_cudagraph_plugin.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
-
-
-@pytest.fixture(params=["c", "python"], autouse=True)
-def backend_class(request, monkeypatch):
-    """Every test here runs against the C hot path and its pure-Python twin."""
-    if request.param == "c" and not NATIVE_FASTPATH:
-        pytest.skip("the C extension is not built here (.ci/run requires it)")
-    cls = CudaGraphBackend if request.param == "c" else PyCudaGraphBackend
-    monkeypatch.setitem(_CLASS, "backend", cls)
-    return cls
-
-
-_CLASS = {"backend": CudaGraphBackend}
 
 
 def build(config=None, outputs="tensor", **graph_args):
     config = config or make_config(8, **graph_args)
     model = TinyBackbone(outputs=outputs)
-    backend = _CLASS["backend"](fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     return backend, model
 
 
@@ -105,7 +91,7 @@ def test_fallbacks_are_counted_by_reason_and_warned_once_per_shape(sim, caplog):
         backend(**buffers.step(9))
         zero = backend(**buffers.step(0))
     fallbacks = backend.stats()["eager_fallbacks"]
-    assert fallbacks == {"not_captured": 2, "oversized": 1, "zero_tokens": 1}
+    assert fallbacks == {"not_captured": 2, "oversized_decode": 1, "zero_tokens": 1}
     assert not_captured.shape[0] == 3 and zero.shape[0] == 0
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 3
@@ -137,7 +123,7 @@ def test_warmups_run_outside_the_allreduce_context_and_capture_inside(sim, recor
         seen.append(recording_ar.capturing)
         return model.forward(**kwargs)
 
-    backend = _CLASS["backend"](fd_config=config, dy_runnable=forward, runnable=forward)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=forward, runnable=forward)
     buffers = Buffers()
     backend(**buffers.step(8))
     # 3 eager warm-ups outside, the captured run inside, then the replay (outside again).
@@ -237,15 +223,16 @@ def test_hot_path_holds_no_extra_references(sim):
     assert (sys.getrefcount(result), sys.getrefcount(step["forward_meta"])) == before
 
 
-def test_a_replay_that_resets_the_tables_leaves_them_consistent(sim):
+def test_a_replay_that_clears_the_graphs_leaves_the_backend_consistent(sim):
     backend, _ = build()
     buffers = Buffers()
     capture_all(backend, buffers)
-    result = backend.decode_entries[4].result
-    for tokens in (3, 4):
-        backend._fast_set(tokens, backend.clear_graph, result)  # a "replay" that clears
+    entry = backend.decode_entries[4]
+    result = entry.result
+    entry.replay = backend.clear_graph  # a "replay" that clears, as a weight update might
     assert backend(**buffers.step(3)) is result
-    assert backend._fast_hits() == [0] * 9  # fresh tables; nothing counted into them
+    assert backend.tables.served == [None] * 9  # fresh tables: nothing left to replay
+    assert backend.stats()["replays"][4] == 2  # the capture's run and this one, both counted
     assert backend(**buffers.step(8)).shape[0] == 8  # serves again: recaptures from scratch
     assert backend.decode_entries[8].graph is not None
 
@@ -264,10 +251,10 @@ def test_speculative_steps_are_served_from_the_running_request_table(sim):
         assert paddle.allclose(out[:tokens], model.forward(**step)).item()
     # (5 tokens, 2 requests) exceeds size 4: padded by its token count to the size-8 graph.
     assert served == [4, 4, 8, 2, 8]
-    hits, token_sums, token_hits = backend._spec_counts()
-    assert hits[1:5] == [1, 2, 1, 0] and token_sums[2] == 7  # the fast path served four
-    assert token_hits[3] == token_hits[4] == token_hits[6] == token_hits[1] == 1
+    # Counted by running requests: the captures (4, 2, 1 requests) and the steps above.
+    assert backend.counts.steps == [0, 2, 3, 1, 1] and backend.counts.tokens[2] == 4 + 3 + 4
     stats = backend.stats()
+    # The 5-token step (2 requests, more tokens than size 4) was served by token count.
     assert stats["replays"] == {2: 2, 4: 3, 8: 3}
     assert stats["padded_tokens_per_size"] == {2: 1, 4: 1, 8: 5}
-    assert backend.decode_token_counts() == {8: 1, 4: 2, 2: 1, 3: 1, 6: 1, 1: 1, 5: 1}
+    assert backend.observed_keys() == {1: 2, 2: 4, 3: 1, 4: 1}

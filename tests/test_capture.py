@@ -15,9 +15,9 @@ import pytest
 from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-from fd_cudagraph_plugin import capture
+from fd_cudagraph_plugin import capture, session
 from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import CaptureError, RankMismatchError
+from fd_cudagraph_plugin.errors import RankMismatchError
 
 WORKER = Path(__file__).resolve().parent / "rank_worker.py"
 
@@ -47,7 +47,7 @@ def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered
         r"\(largest graph 128 B\), 2 warm-ups each",
         summaries[0],
     )
-    assert capture.active() is None and capture.sessions_ended() == 1
+    assert session.active() is None and session.sessions_ended() == 1
 
 
 def test_static_split_prefill_loop_gets_its_own_session(plugin_registered):
@@ -68,7 +68,7 @@ def test_gc_is_frozen_during_the_session_and_restored_after_an_error(plugin_regi
     class Recording(DecoratedBackbone):
         def forward(self, ids_remove_padding, forward_meta):
             seen.append(gc.get_freeze_count())
-            if ids_remove_padding.shape[0] == 2 and capture.active() is not None:
+            if ids_remove_padding.shape[0] == 2 and session.active() is not None:
                 raise RuntimeError("CUDA error: out of memory")
             return super().forward(ids_remove_padding, forward_meta)
 
@@ -78,7 +78,7 @@ def test_gc_is_frozen_during_the_session_and_restored_after_an_error(plugin_regi
         runner.capture_model()
     assert seen and all(count > 0 for count in seen)
     assert gc.get_freeze_count() == 0
-    assert capture.active() is None
+    assert session.active() is None
 
 
 def _run_ranks(tmp_path, plans: list[str]) -> list[subprocess.CompletedProcess]:
@@ -130,10 +130,10 @@ def test_plan_check_diff_names_the_key_and_both_values(sim):
     expected = r"\. rank 1: warmup_policy: rank 0 'per_size' vs rank 1 'largest_only'\. Start"
     with (
         pytest.raises(RankMismatchError, match=expected),
-        capture.CaptureSession("decode", exchange=exchange),
+        session.CaptureSession("decode", exchange=exchange),
     ):
         pass
-    assert capture.active() is None and gc.get_freeze_count() == 0
+    assert session.active() is None and gc.get_freeze_count() == 0
 
 
 def _captured_some(sizes):
@@ -141,49 +141,30 @@ def _captured_some(sizes):
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    with capture.CaptureSession("decode"):
+    with session.CaptureSession("decode"):
         for size in sizes:
             backend(**buffers.step(size))
     return backend, model, buffers
 
 
-@pytest.mark.parametrize("policy", ["eager", "capture", "error"])
-def test_late_capture_policy(sim, monkeypatch, caplog, policy):
-    monkeypatch.setenv("FD_CUDAGRAPH_LATE_CAPTURE", policy)
+def test_a_size_first_seen_after_the_sessions_runs_eagerly_and_warns_once(sim, caplog):
     backend, model, buffers = _captured_some([4, 2])
     step = buffers.step(1, seed=3)
-    if policy == "error":
-        with pytest.raises(CaptureError, match="late CUDA graph capture of decode size 1"):
-            backend(**step)
-        return
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
         out = backend(**step)
         backend(**step)
     assert paddle.allclose(out[:1], model.forward(**step)).item()
-    if policy == "eager":
-        assert backend.decode_entries[1].graph is None
-        assert backend.stats()["eager_fallbacks"] == {"late_capture": 2}
-        assert sum("late capture" in r.getMessage() for r in caplog.records) == 1
-    else:
-        assert backend.decode_entries[1].graph is not None
+    assert backend.decode_entries[1].graph is None
+    assert backend.stats()["eager_fallbacks"] == {"late_capture": 2}
+    assert sum("late capture" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize(
-    ("mode", "expected_events"),
-    [
-        ("per_graph", [("capture_enter",), ("register_graph_buffers",)] * 3),
-        ("session", [("capture_enter",), ("register_graph_buffers",)]),
-    ],
-)
-def test_custom_allreduce_registration_modes(
-    plugin_registered, recording_ar, monkeypatch, mode, expected_events
-):
-    monkeypatch.setenv("FD_CUDAGRAPH_AR_REGISTRATION", mode)
+def test_custom_allreduce_registers_after_every_graph(plugin_registered, recording_ar):
     config = make_config(4)
     model, runner = runner_for(config)
     recording_ar.events.clear()
     runner.capture_model()
-    assert recording_ar.events == expected_events
+    assert recording_ar.events == [("capture_enter",), ("register_graph_buffers",)] * 3
     out = runner.execute_step(3)
     view = runner.share_inputs["ids"][:3]
     assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()
@@ -226,10 +207,10 @@ def test_first_capture_in_a_process_follows_an_eager_run_even_with_zero_warmups(
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    with capture.CaptureSession("decode") as session:
+    with session.CaptureSession("decode") as running:
         for size in (4, 2, 1):
             backend(**buffers.step(size))
-    assert [r.warmups for r in session.report.records] == [1, 0, 0]
+    assert [r.warmups for r in running.report.records] == [1, 0, 0]
 
 
 def test_progress_bars_only_on_rank_zero(sim):
@@ -237,18 +218,18 @@ def test_progress_bars_only_on_rank_zero(sim):
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    with capture.CaptureSession("decode", fd_config=config) as session:
+    with session.CaptureSession("decode", fd_config=config) as running:
         for size in (4, 2, 1):
             backend(**buffers.step(size))
-        bars = dict(session._bars)
+        bars = dict(running._bars)
     assert list(bars) == [("decode", f"{id(backend):#x}")]
     assert bars[("decode", f"{id(backend):#x}")].total == 3
     backend.clear_graph()
     config.parallel_config.tensor_parallel_rank = 1
-    with capture.CaptureSession("decode", fd_config=config) as session:
+    with session.CaptureSession("decode", fd_config=config) as running:
         for size in (4, 2, 1):
             backend(**buffers.step(size))
-        assert session._bars == {}
+        assert running._bars == {}
 
 
 def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, tmp_path):
@@ -257,7 +238,7 @@ def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, 
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    with capture.CaptureSession("decode", fd_config=config):
+    with session.CaptureSession("decode", fd_config=config):
         for size in (4, 2, 1):
             backend(**buffers.step(size))
     report = json.loads((tmp_path / "graphs-0.json").read_text())
@@ -267,32 +248,6 @@ def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, 
     assert per_size == {4: 4 * 8 * 4, 2: 2 * 8 * 4, 1: 1 * 8 * 4}  # [size, hidden] float32
     assert report["graph_bytes"] == sum(per_size.values())
     assert report["largest_graph_bytes"] == 128
-
-
-def test_session_registration_never_runs_a_graph_before_its_buffers_are_registered(
-    plugin_registered, recording_ar, monkeypatch
-):
-    sim = plugin_registered
-    monkeypatch.setenv("FD_CUDAGRAPH_AR_REGISTRATION", "session")
-    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "error")
-    config = make_config(4)
-    timeline = []
-
-    class Recording(DecoratedBackbone):
-        def forward(self, ids_remove_padding, forward_meta):
-            timeline.append(("replay" if sim.replaying else "run", recording_ar.capturing))
-            return super().forward(ids_remove_padding, forward_meta)
-
-    model, runner = runner_for(config, Recording)
-    timeline.clear()
-    recording_ar.events.clear()
-    runner.capture_model()
-    assert recording_ar.events == [("capture_enter",), ("register_graph_buffers",)]
-    replays = [capturing for kind, capturing in timeline if kind == "replay"]
-    assert replays and not any(replays)  # the self-checks' replays, after registration
-    out = runner.execute_step(3)
-    view = runner.share_inputs["ids"][:3]
-    assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()
 
 
 class DraftRunner(GPUModelRunner):
@@ -321,7 +276,7 @@ class DraftRunner(GPUModelRunner):
         return ForwardMeta(ids_remove_padding=None)
 
 
-def test_target_and_draft_capture_in_one_session_into_one_pool(plugin_registered):
+def test_target_and_draft_capture_in_one_session_into_their_own_pools(plugin_registered):
     sim = plugin_registered
     config = make_config(4)
     target = DecoratedBackbone(fd_config=config)
@@ -337,6 +292,6 @@ def test_target_and_draft_capture_in_one_session_into_one_pool(plugin_registered
     for record in report.records:
         by_backend.setdefault(record.backend, []).append(record.size)
     assert list(by_backend.values()) == [[4, 2, 1], [4, 2, 1]]
-    assert target_backend.pool is draft_backend.pool and sim.live_pools == 1
-    draft_backend.clear_graph()  # /v1/sleep clears the target only; here the draft first
-    assert sim.live_pools == 1 and target_backend.decode_entries[4].graph is not None
+    assert target_backend.pool is not draft_backend.pool and sim.live_pools == 2
+    target_backend.clear_graph()  # /v1/sleep clears the target only; its pool goes at once
+    assert sim.live_pools == 1 and draft_backend.decode_entries[4].graph is not None

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastdeploy.model_executor.graph_optimization import graph_optimization_backend
 
-from fd_cudagraph_plugin import dispatch, doctor
+from fd_cudagraph_plugin import doctor
 from fd_cudagraph_plugin.cli import main
 from fd_cudagraph_plugin.doctor import FAIL, OK, WARN
 from fd_cudagraph_plugin.options import OPTIONS
@@ -165,17 +165,6 @@ def test_unknown_option_warns_with_the_closest_known_name():
     assert result.status == WARN
     assert "FD_CUDAGRAPH_BACKNED (did you mean FD_CUDAGRAPH_BACKEND?)" in result.detail
     assert doctor.check_unknown_options({"FD_CUDAGRAPH_BACKEND": "native"}).status == OK
-
-
-# --------------------------------------------------------------- C hot path
-
-
-def test_c_hot_path_ok_when_built_and_warns_when_not(monkeypatch):
-    expected = OK if dispatch.NATIVE_FASTPATH else WARN
-    assert doctor.check_fastpath({}).status == expected
-    monkeypatch.setattr(dispatch, "NATIVE_FASTPATH", False)
-    result = doctor.check_fastpath({})
-    assert result.status == WARN and "pip install --force-reinstall" in result.fix
 
 
 # --------------------------------------------------------------- whole run and exit code

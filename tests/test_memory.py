@@ -8,6 +8,7 @@ import pytest
 from conftest import HIDDEN, Buffers, TinyBackbone, make_config
 
 from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.errors import ConfigError
 from fd_cudagraph_plugin.memory import pools_for
 
 
@@ -66,7 +67,32 @@ def test_graph_memory_is_measured_per_size_and_summed(sim):
     assert sim.pool_bytes(backend.pool) == output_bytes(7)
 
 
-def test_shared_pool_goes_only_when_its_last_user_clears(sim):
+def test_two_backends_hold_different_pools_by_default(sim):
+    target, draft = backend_for(), backend_for()
+    capture_all(target)
+    capture_all(draft)
+    assert target.pool_policy == draft.pool_policy == "instance"
+    assert target.pool is not None and draft.pool is not None and target.pool is not draft.pool
+    target.clear_graph()  # /v1/sleep clears the target only: its pool goes all the same
+    assert sim.live_pools == 1 and sim.pool_bytes(draft.pool) == output_bytes(7)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_a_shared_pool_is_refused_with_a_draft_model(sim, monkeypatch, method):
+    monkeypatch.setenv("FD_CUDAGRAPH_POOL", "device")
+    config = make_config(8, speculative={"method": method, "num_speculative_tokens": 1})
+    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_POOL=device cannot be used with .*"):
+        backend_for(config)
+
+
+def test_a_shared_pool_is_allowed_with_ngram_which_has_no_draft_model(sim, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_POOL", "device")
+    config = make_config(8, speculative={"method": "ngram", "num_speculative_tokens": 1})
+    assert backend_for(config).pool_policy == "device"
+
+
+def test_shared_pool_goes_only_when_its_last_user_clears(sim, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_POOL", "device")
     target, draft = backend_for(), backend_for()
     capture_all(target)
     capture_all(draft)

@@ -134,7 +134,7 @@ def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
         plugin.register()
         forwarding = [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]
         assert len(forwarding) == 1
-        assert any("fd-cudagraph-plugin 0.1.0 active" in m for m in records)
+        assert any("fd-cudagraph-plugin 0.2.0 active" in m for m in records)
     finally:
         for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
             ours.removeHandler(handler)

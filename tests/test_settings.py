@@ -6,6 +6,7 @@ import pytest
 from conftest import make_config
 
 from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.options import PluginOptions
 from fd_cudagraph_plugin.settings import Settings
 from fd_cudagraph_plugin.sizes import padding_table
 
@@ -111,3 +112,49 @@ def test_padding_table_matches_fastdeploys_map_when_it_is_not_stale():
     table = padding_table(config.graph_opt_config.cudagraph_capture_sizes)
     upstream = config.graph_opt_config.real_shape_to_captured_size
     assert {n: table[n] for n in range(len(table))} == upstream
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("FD_CUDAGRAPH_AR_REGISTRATION", "per_graph"),
+        ("FD_CUDAGRAPH_AR_REGISTRATION", "session"),
+        ("FD_CUDAGRAPH_AR_REGISTRATION", "anything"),
+        ("FD_CUDAGRAPH_LATE_CAPTURE", "capture"),
+        ("FD_CUDAGRAPH_LATE_CAPTURE", "eager"),
+    ],
+)
+def test_a_removed_option_stops_register_saying_it_was_removed_and_why(
+    monkeypatch, plugin_registered, env, value
+):
+    from fd_cudagraph_plugin import plugin
+
+    monkeypatch.setenv(env, value)
+    with pytest.raises(
+        ConfigError, match=rf"^{env} was removed in fd-cudagraph-plugin 0\.2: .*Unset"
+    ):
+        plugin.register()
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "message"),
+    [
+        ("FD_CUDAGRAPH_STATS_INTERVAL", "1e10", "from 0 \\(off\\) to 86400"),
+        ("FD_CUDAGRAPH_STATS_INTERVAL", "nan", "from 0 \\(off\\) to 86400"),
+        ("FD_CUDAGRAPH_CHECK_ADDRESSES", "sampled:99999999999999999999", "1 <= N <= 1000000"),
+        ("FD_CUDAGRAPH_CHECK_ADDRESSES", "sampled:0", "1 <= N <= 1000000"),
+    ],
+)
+def test_numeric_options_are_range_checked(monkeypatch, env, value, message):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(
+        ConfigError, match=rf"^{env}='{value}': must .*{message}.*Fix or unset {env}"
+    ):
+        PluginOptions.from_env()
+
+
+@pytest.mark.parametrize("value", ["Always", "SAMPLED:4", "Off"])
+def test_option_values_are_case_insensitive(monkeypatch, value):
+    monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", value)
+    expected = {"always": 1, "sampled:4": 4, "off": 0}[value.lower()]
+    assert PluginOptions.from_env().check_addresses == expected

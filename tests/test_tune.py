@@ -15,6 +15,7 @@ from conftest import make_config
 from fd_cudagraph_plugin.cli import main
 from fd_cudagraph_plugin.errors import ConfigError, TraceError
 from fd_cudagraph_plugin.plan import default_capture_sizes
+from fd_cudagraph_plugin.settings import Settings
 from fd_cudagraph_plugin.stats import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.tune import optimal_sizes, padded_tokens, read_histogram, tune
 
@@ -136,12 +137,14 @@ class _CountingBackend:
     def __init__(self) -> None:
         self.counts: Counter[int] = Counter()
 
-    def decode_token_counts(self) -> Counter[int]:
-        return Counter(self.counts)
+    def observed_keys(self) -> dict[int, int]:
+        return dict(self.counts)
 
 
 def test_reads_the_stats_file_the_plugin_writes(tmp_path):
-    writer = StatsFile(str(tmp_path / "stats-{rank}.jsonl"), rank=0)
+    writer = StatsFile(
+        str(tmp_path / "stats-{rank}.jsonl"), Settings.from_fd_config(make_config(8))
+    )
     target, draft = _CountingBackend(), _CountingBackend()
     target.counts.update({3: 2, 5: 1})
     writer.flush(target)
