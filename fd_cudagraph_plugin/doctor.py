@@ -7,7 +7,6 @@ the plugin (the command exits 1); WARN means it will, with a caveat worth knowin
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import os
@@ -22,13 +21,14 @@ from fd_cudagraph_plugin.plugin import (
     _NAME,
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
+    OPTION_PREFIX,
     constructor_shape,
     fastdeploy_version,
+    unknown_options,
 )
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 DISTRIBUTION = "fd-cudagraph-plugin"
-OPTION_PREFIX = "FD_CUDAGRAPH_"
 #: Constructor shapes of FastDeploy's backend this plugin serves: 2.5, 2.6, develop; and 2.4.
 KNOWN_SHAPES = ("(fd_config, dy_runnable, runnable)", "(fd_config, runnable)")
 
@@ -267,35 +267,14 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
 def check_unknown_options(environ: Mapping[str, str]) -> CheckResult:
     """A set ``FD_CUDAGRAPH_*`` variable that is no option is most likely a typo."""
     name = "unknown options"
-    known = [option.env for option in OPTIONS]
-    unknown = sorted(k for k in environ if k.startswith(OPTION_PREFIX) and k not in known)
-    if not unknown:
+    hints = unknown_options(environ)
+    if not hints:
         return CheckResult(name, OK, f"no unknown {OPTION_PREFIX}* variable is set.")
-    hints = []
-    for env in unknown:
-        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
-        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
     return CheckResult(
         name,
         WARN,
         f"set but not options of this plugin, so ignored: {', '.join(hints)}.",
         "rename or unset them.",
-    )
-
-
-def check_fastpath(environ: Mapping[str, str]) -> CheckResult:
-    """The replay hot path is the C extension, not the pure-Python twin."""
-    from fd_cudagraph_plugin.dispatch import NATIVE_FASTPATH
-
-    if NATIVE_FASTPATH:
-        return CheckResult("C hot path", OK, "fd_cudagraph_plugin._fastpath is built and used.")
-    return CheckResult(
-        "C hot path",
-        WARN,
-        "not built; the pure-Python twin serves replays (same behaviour, about 0.3 us more per "
-        "replay).",
-        f"install a C compiler and Python headers, then pip install --force-reinstall --no-deps "
-        f"{DISTRIBUTION}.",
     )
 
 
@@ -307,7 +286,6 @@ CHECKS: tuple[Callable[[Mapping[str, str]], CheckResult], ...] = (
     check_cuda_graphs,
     check_options,
     check_unknown_options,
-    check_fastpath,
 )
 
 
