@@ -8,7 +8,7 @@ maximum has, and both lists' padded tokens are compared:
 - bursty: a request-count random walk with idle spells and arrival bursts up to the maximum;
 - uniform: every count equally likely, the case where no list can do much better (a control).
 
-Then the time to read a 100k-line trace whose counts cover 1..1024 and tune it.
+Then the time to read a 100k-line trace whose counts cover 1..512 (FastDeploy's cap) and tune it.
 
     python benchmarks/tune.py
 """
@@ -28,8 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fd_cudagraph_plugin.plan import default_capture_sizes
-from fd_cudagraph_plugin.tune import read_histogram, tune
+from fd_cudagraph_plugin.capture_rules import default_capture_sizes
+from fd_cudagraph_plugin.traces import read_histogram
+from fd_cudagraph_plugin.tune import tune
 
 
 def skewed(rng: random.Random, steps: int, top: int) -> list[int]:
@@ -116,9 +117,9 @@ def main() -> int:
     for name, graphs, baseline, tuned, reduction in rows:
         print(f"{name:<8} {graphs:>6} {baseline:>15} {tuned:>13} {reduction:>7.1%}")
 
-    distinct, graphs, end_to_end, tune_only = time_tuning(100_000, 1024, args.seed, args.repeats)
+    distinct, graphs, end_to_end, tune_only = time_tuning(100_000, 512, args.seed, args.repeats)
     print(
-        f"tune time, 100000 samples, max 1024 ({distinct} distinct counts, {graphs} graphs), "
+        f"tune time, 100000 samples, max 512 ({distinct} distinct counts, {graphs} graphs), "
         f"median of {args.repeats}: read + tune {end_to_end:.3f} s, tune alone {tune_only:.3f} s"
     )
 

@@ -5,10 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
-from fd_cudagraph_plugin.errors import CudaGraphPluginError
-from fd_cudagraph_plugin.plan import SPEC_METHODS
+from fd_cudagraph_plugin.capture_rules import SPEC_METHODS, SPLITWISE_ROLES
+from fd_cudagraph_plugin.errors import ConfigError, CudaGraphPluginError
+
+DESCRIPTION = (
+    "fd-cudagraph (also python -m fd_cudagraph_plugin): plan, tune and check the CUDA-graph "
+    "backend that fd-cudagraph-plugin puts into FastDeploy."
+)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
+    return value
 
 
 def _sizes(text: str) -> list[int]:
@@ -68,6 +84,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             capture_sizes_prefill=(
                 tuple(args.capture_sizes_prefill) if args.capture_sizes_prefill else None
             ),
+            splitwise_role=args.splitwise_role,
+            draft_model_use_cudagraph=args.draft_model_use_cudagraph,
         )
     )
     print(_json(plan.to_json()) if args.json else format_plan(plan))
@@ -75,9 +93,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.tune import format_result, read_histogram, tune
+    from fd_cudagraph_plugin.traces import read_histogram
+    from fd_cudagraph_plugin.tune import format_result, tune
 
-    result = tune(read_histogram(args.trace), args.max_graphs, args.max_size)
+    if args.trace.count("-") > 1:
+        raise ConfigError("standard input (-) can be given once among the trace files.")
+    result = tune(
+        read_histogram(args.trace), args.max_graphs, args.max_size, args.num_speculative_tokens
+    )
     print(_json(result.to_json()) if args.json else format_result(result))
     return 0
 
@@ -86,7 +109,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from fd_cudagraph_plugin.doctor import exit_code, format_results, run_checks
 
     results = run_checks()
-    print(format_results(results))
+    if args.json:
+        document = {
+            "checks": [
+                {"name": r.name, "status": r.status, "detail": r.detail, "fix": r.fix}
+                for r in results
+            ],
+            "exit_code": exit_code(results),
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_results(results))
     return exit_code(results)
 
 
@@ -131,6 +164,18 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="cudagraph_capture_sizes_prefill (static split)",
     )
+    plan.add_argument(
+        "--splitwise-role",
+        choices=SPLITWISE_ROLES,
+        default="mixed",
+        help="FastDeploy's splitwise_role (default mixed, as FastDeploy's)",
+    )
+    plan.add_argument(
+        "--draft-model-use-cudagraph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draft_model_use_cudagraph for MTP (default true as in develop; 2.6 defaults false)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(run=_cmd_plan)
 
@@ -145,9 +190,17 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     tune.add_argument(
         "trace",
         nargs="+",
-        help="one decode token count per line, or the plugin's fd-cudagraph-stats/1 JSON lines",
+        help="one decode token count per line, or the plugin's fd-cudagraph-stats/1 JSON "
+        "lines; - reads standard input",
     )
     tune.add_argument("--max-graphs", type=int, required=True, help="at most this many sizes")
+    tune.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="k of MTP/ngram/suffix decoding: read a plain trace as running requests per step "
+        "and fit the sizes FastDeploy multiplies by k + 1 (stats files say k themselves)",
+    )
     tune.add_argument(
         "--max-size",
         type=int,
@@ -160,12 +213,17 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fd-cudagraph", description=__doc__)
+    from fd_cudagraph_plugin import __version__
+
+    parser = argparse.ArgumentParser(prog="fd-cudagraph", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"fd-cudagraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="capture and serve a small model through the backend")
     demo.add_argument("--sizes", type=_sizes, default=None, help="capture sizes, e.g. 1,2,4,8")
-    demo.add_argument("--steps", type=int, default=200, help="decode steps to serve (default 200)")
+    demo.add_argument(
+        "--steps", type=_positive, default=200, help="decode steps to serve (default 200)"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--runtime",
@@ -180,14 +238,41 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor", help="check that FastDeploy will load and use the plugin here, with fixes"
     )
+    doctor.add_argument("--json", action="store_true", help="print JSON")
     doctor.set_defaults(run=_cmd_doctor)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail a second time."""
     try:
-        return args.run(args)
-    except CudaGraphPluginError as error:
-        print(f"fd-cudagraph: {error}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout replaced (pytest) or already closed
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; exit 2 on bad input, 130 on Ctrl-C, 1 when stdout cannot be written."""
+    try:
+        args = build_parser().parse_args(argv)
+        try:
+            code = args.run(args)
+        except CudaGraphPluginError as error:
+            print(f"fd-cudagraph: {error}", file=sys.stderr)
+            return 2
+        # A full disk or a closed pipe shows up at the flush; make it happen here, inside the
+        # handlers, not at interpreter exit.
+        sys.stdout.flush()
+        return code
+    except KeyboardInterrupt:
+        print("fd-cudagraph: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        _drop_stdout()
+        return 1
+    except OSError as error:
+        _drop_stdout()
+        print(f"fd-cudagraph: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        return 1

@@ -7,7 +7,6 @@ the plugin (the command exits 1); WARN means it will, with a caveat worth knowin
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import os
@@ -22,13 +21,14 @@ from fd_cudagraph_plugin.plugin import (
     _NAME,
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
+    OPTION_PREFIX,
     constructor_shape,
     fastdeploy_version,
+    unknown_options,
 )
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 DISTRIBUTION = "fd-cudagraph-plugin"
-OPTION_PREFIX = "FD_CUDAGRAPH_"
 #: Constructor shapes of FastDeploy's backend this plugin serves: 2.5, 2.6, develop; and 2.4.
 KNOWN_SHAPES = ("(fd_config, dy_runnable, runnable)", "(fd_config, runnable)")
 
@@ -267,14 +267,9 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
 def check_unknown_options(environ: Mapping[str, str]) -> CheckResult:
     """A set ``FD_CUDAGRAPH_*`` variable that is no option is most likely a typo."""
     name = "unknown options"
-    known = [option.env for option in OPTIONS]
-    unknown = sorted(k for k in environ if k.startswith(OPTION_PREFIX) and k not in known)
-    if not unknown:
+    hints = unknown_options(environ)
+    if not hints:
         return CheckResult(name, OK, f"no unknown {OPTION_PREFIX}* variable is set.")
-    hints = []
-    for env in unknown:
-        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
-        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
     return CheckResult(
         name,
         WARN,

@@ -11,79 +11,38 @@ plan runs on any machine, FastDeploy installed or not:
 - speculative decoding (MTP, ngram, suffix; k draft tokens, PR #7215) multiplies the cap and every
   decode size by k + 1, user-given sizes included (they count requests, not tokens);
 - sizes above a cap are dropped; the decode list is deduplicated, the prefill list is not;
-- sequence-parallel MoE with TP > 1 and ``max_num_seqs >= tp`` keeps only the sizes divisible by
-  tp, decode and prefill lists both (``filter_capture_size``; checked against develop's source),
-  *after* the padding maps were built, so FastDeploy's maps still name removed sizes (the plugin
-  re-pads through the lists).
+- ``FDConfig.postprocess`` then applies the splitwise role, in this order (develop ``r3_mm_dev``
+  and 2.6 ``r3_eos_2.6``, ``fastdeploy/config.py``): the prefill role sets ``use_cudagraph`` to
+  ``cudagraph_only_prefill``; the mixed role turns sequence-parallel MoE off when CUDA graphs are
+  on; only after that, sequence-parallel MoE with ``max_num_seqs >= tp`` runs
+  ``filter_capture_size(tp)``, keeping the sizes divisible by tp (decode and prefill lists), and
+  with ``max_num_seqs < tp`` turns itself off. So only the decode role (and a prefill node with
+  ``cudagraph_only_prefill``) ever filters. The filter runs after the padding maps were built, so
+  FastDeploy's maps still name removed sizes (the plugin re-pads through the lists).
+
+FastDeploy's own limits are enforced with an error, which also bounds this command's work:
+``max_num_seqs <= 512`` (``FDConfig.check``) and ``num_speculative_tokens`` in 1..5 for mtp,
+ngram and suffix (``SpeculativeConfig.check_legality_parameters``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fd_cudagraph_plugin.capture_rules import (
+    DECODE_CAP,
+    DEFAULT_PREFILL_SIZES,
+    MAX_NUM_SEQS,
+    MAX_PREFILL_SHAPE,
+    MAX_SPECULATIVE_TOKENS,
+    SPEC_METHODS,
+    SPLITWISE_ROLES,
+    auto_candidates,
+    fastdeploy_bsz_map,
+    fastdeploy_padding_map,
+)
 from fd_cudagraph_plugin.errors import ConfigError
 from fd_cudagraph_plugin.sizes import padding_table, table_disagreements
-
-#: FastDeploy never captures a decode size above this many requests.
-DECODE_CAP = 512
-#: ``--spec-method`` values FastDeploy accepts; the first three scale the decode sizes.
-SPEC_METHODS = ("mtp", "ngram", "suffix", "naive")
-SCALING_METHODS = ("mtp", "ngram", "suffix")
-#: ``cudagraph_capture_sizes_prefill`` when the decode sizes are given by the user.
-DEFAULT_PREFILL_SIZES = (1, 2, 4, 8)
-
-
-def auto_candidates() -> list[int]:
-    """FastDeploy's ``_set_cudagraph_sizes`` candidates, ascending (the code's ``range(9, 33)``)."""
-    return [1, 2, 4, *(8 * i for i in range(1, 17)), *(16 * i for i in range(9, 17))] + [
-        32 * i for i in range(9, 33)
-    ]
-
-
-def default_capture_sizes(max_size: int) -> list[int]:
-    """The automatic decode list for a cap of ``max_size`` tokens, descending and deduplicated.
-
-    Equal to FastDeploy's derived list for ``max_num_seqs = max_size`` when ``max_size <= 512``
-    and no speculative decoding.
-    """
-    return sorted({s for s in auto_candidates() if s <= max_size} | {max_size}, reverse=True)
-
-
-def fastdeploy_padding_map(sizes_desc: list[int]) -> dict[int, int]:
-    """``real_shape_to_captured_size`` as FastDeploy builds it from a descending list.
-
-    Each descending pair ``(end, start)``, with 0 after the last size, maps ``start`` to itself and
-    ``start + 1 .. end - 1`` to ``end``; then the largest size (0 for an empty list) maps to
-    itself.
-    """
-    mapping: dict[int, int] = {}
-    for end, start in zip(sizes_desc, [*sizes_desc[1:], 0]):  # noqa: B905 (empty: no pairs)
-        mapping[start] = start
-        for shape in range(start + 1, end):
-            mapping[shape] = end
-    largest = sizes_desc[0] if sizes_desc else 0
-    mapping[largest] = largest
-    return dict(sorted(mapping.items()))
-
-
-def fastdeploy_bsz_map(sizes_desc: list[int], k: int) -> dict[int, int]:
-    """``real_bsz_to_captured_size``: running requests -> captured token size (k != 0 only).
-
-    Each size c maps ``int(c / (k + 1))`` to c; walking the descending list, the smallest size of
-    a request count is the one kept. Missing counts take the next larger count's size.
-    """
-    if k == 0:
-        return {}
-    mapping: dict[int, int] = {}
-    for size in sizes_desc:
-        mapping[int(size / (k + 1))] = size
-    if not mapping:
-        return {}
-    top = max(mapping)
-    larger = mapping[top]
-    for bsz in range(top, 0, -1):
-        larger = mapping.setdefault(bsz, larger)
-    return dict(sorted(mapping.items()))
 
 
 @dataclass(frozen=True)
@@ -101,6 +60,9 @@ class PlanInput:
     only_prefill: bool = False
     capture_sizes: tuple[int, ...] | None = None
     capture_sizes_prefill: tuple[int, ...] | None = None
+    splitwise_role: str = "mixed"
+    #: develop's default; release 2.6 defaults to False.
+    draft_model_use_cudagraph: bool = True
 
     @property
     def mode(self) -> str:
@@ -136,6 +98,8 @@ class Plan:
     #: True when ``filter_capture_size`` kept only the decode sizes divisible by tp.
     filtered_for_tp: bool
     backends: list[BackendPlan]
+    #: False on a prefill node without ``cudagraph_only_prefill``: FastDeploy captures nothing.
+    use_cudagraph: bool = True
     #: ``(tokens, FastDeploy's size, the plugin's size)`` where the stale map differs.
     stale_padding: list[tuple[int, int, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -159,7 +123,10 @@ class Plan:
                 "full_cuda_graph": self.inputs.full_cuda_graph,
                 "cudagraph_only_prefill": self.inputs.only_prefill,
                 "max_capture_shape_prefill": self.inputs.max_capture_shape_prefill,
+                "splitwise_role": self.inputs.splitwise_role,
+                "draft_model_use_cudagraph": self.inputs.draft_model_use_cudagraph,
             },
+            "use_cudagraph": self.use_cudagraph,
             "mode": self.inputs.mode,
             "cudagraph_capture_sizes": self.capture_sizes,
             "cudagraph_capture_sizes_prefill": self.capture_sizes_prefill,
@@ -184,9 +151,11 @@ class Plan:
         }
 
 
-def _check_count(flag: str, value: object, minimum: int) -> int:
+def _check_count(flag: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"{flag} must be an integer >= {minimum}; got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{flag} must be at most {maximum}; got {value}.")
     return value
 
 
@@ -219,17 +188,22 @@ def _effective_k(inputs: PlanInput, notes: list[str]) -> int:
         )
     if method == "naive":
         return 0  # SpeculativeConfig forces k = 0 for naive.
-    k = 1 if k is None else _check_count("--num-speculative-tokens", k, 0)
-    if method == "mtp" and k < 1:
-        notes.append("MTP needs num_speculative_tokens >= num_model_steps (1): FastDeploy uses 1.")
-        k = 1
+    if k is None:
+        return 1
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(
+            f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} for "
+            f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {k!r}."
+        )
     return k
 
 
 def _describe_backend(
-    name: str, inputs: PlanInput, decode: list[int], prefill: list[int], k: int
+    name: str, inputs: PlanInput, decode: list[int], prefill: list[int], k: int, graphs: bool
 ) -> BackendPlan:
     """Which steps of one backend replay graphs, per mode (the README's execution-mode table)."""
+    if not graphs:
+        return BackendPlan(name, 0, 0, "eager (use_cudagraph off)", "eager (use_cudagraph off)")
     mode = inputs.mode
     keyed = "running requests via real_bsz_to_captured_size" if k else "token count"
     static_prefill = (
@@ -257,9 +231,16 @@ def _describe_backend(
 def derive_plan(inputs: PlanInput) -> Plan:
     """Derive what FastDeploy's ``FDConfig`` computes for these settings, plus what is captured."""
     notes: list[str] = []
-    max_num_seqs = _check_count("--max-num-seqs", inputs.max_num_seqs, 1)
+    max_num_seqs = _check_count("--max-num-seqs", inputs.max_num_seqs, 1, MAX_NUM_SEQS)
     tp = _check_count("--tensor-parallel-size", inputs.tensor_parallel_size, 1)
-    prefill_cap = _check_count("--max-capture-shape-prefill", inputs.max_capture_shape_prefill, 1)
+    prefill_cap = _check_count(
+        "--max-capture-shape-prefill", inputs.max_capture_shape_prefill, 1, MAX_PREFILL_SHAPE
+    )
+    if inputs.splitwise_role not in SPLITWISE_ROLES:
+        raise ConfigError(
+            f"--splitwise-role must be one of {', '.join(SPLITWISE_ROLES)}; got "
+            f"{inputs.splitwise_role!r}."
+        )
     if inputs.graph_opt_level not in (0, 1, 2):
         raise ConfigError(
             f"--graph-opt-level must be 0, 1 or 2; got {inputs.graph_opt_level!r}. "
@@ -319,13 +300,34 @@ def derive_plan(inputs: PlanInput) -> Plan:
     prefill_map = fastdeploy_padding_map(prefill)
     bsz_map = fastdeploy_bsz_map(decode, k)
 
+    # FDConfig.postprocess order: the prefill role decides use_cudagraph, then the mixed role
+    # turns sequence-parallel MoE off, and only then may filter_capture_size run.
+    use_cudagraph = inputs.splitwise_role != "prefill" or inputs.only_prefill
+    if not use_cudagraph:
+        notes.append(
+            "splitwise_role prefill sets use_cudagraph to cudagraph_only_prefill (false): this "
+            "node captures no graph; pass --only-prefill to graph its prefill steps."
+        )
+    if inputs.splitwise_role == "prefill" and inputs.spec_method == "mtp" and k != 1:
+        notes.append(
+            f"an MTP prefill node resets num_speculative_tokens to 1 after the sizes were scaled "
+            f"by k + 1 = {k + 1}."
+        )
     filtered = False
-    if inputs.sequence_parallel_moe and max_num_seqs < tp:
+    if not (inputs.sequence_parallel_moe and use_cudagraph):
+        pass
+    elif inputs.splitwise_role == "mixed":
+        notes.append(
+            "sequence-parallel MoE: FastDeploy turns it off in the mixed role with CUDA graphs "
+            "before filter_capture_size, so no size is filtered (--splitwise-role decode "
+            "filters)."
+        )
+    elif max_num_seqs < tp:
         notes.append(
             f"sequence-parallel MoE: FastDeploy disables it because max_num_seqs {max_num_seqs} < "
             f"tensor_parallel_size {tp}."
         )
-    elif inputs.sequence_parallel_moe and tp > 1:
+    elif tp > 1:
         filtered = True
         removed = sorted(s for s in decode if s % tp)
         decode = [s for s in decode if s % tp == 0]
@@ -338,10 +340,6 @@ def derive_plan(inputs: PlanInput) -> Plan:
                 f"{_listing(removed_prefill) or 'none'} (not divisible by {tp}) after the padding "
                 "maps were built."
             )
-        notes.append(
-            "FastDeploy then turns sequence-parallel MoE off in the mixed role with CUDA graphs, "
-            "but the filtered list stays."
-        )
 
     if not decode:
         raise ConfigError(
@@ -362,13 +360,17 @@ def derive_plan(inputs: PlanInput) -> Plan:
             "to the next size in the list."
         )
 
-    backends = [_describe_backend("target model", inputs, decode, prefill, k)]
-    if inputs.spec_method == "mtp":
-        backends.append(_describe_backend("MTP draft model", inputs, decode, prefill, k))
+    backends = [_describe_backend("target model", inputs, decode, prefill, k, use_cudagraph)]
+    if inputs.spec_method == "mtp" and inputs.draft_model_use_cudagraph:
+        backends.append(
+            _describe_backend("MTP draft model", inputs, decode, prefill, k, use_cudagraph)
+        )
         notes.append(
             "The MTP draft model has its own backend with the same lists "
-            "(draft_model_use_cudagraph, FastDeploy's default true)."
+            "(draft_model_use_cudagraph: develop's default true, release 2.6's false)."
         )
+    elif inputs.spec_method == "mtp":
+        notes.append("draft_model_use_cudagraph is false: the MTP draft model runs eagerly.")
     return Plan(
         inputs=inputs,
         num_speculative_tokens=k,
@@ -379,6 +381,7 @@ def derive_plan(inputs: PlanInput) -> Plan:
         real_bsz_to_captured_size=bsz_map,
         filtered_for_tp=filtered,
         backends=backends,
+        use_cudagraph=use_cudagraph,
         stale_padding=stale,
         notes=notes,
     )
@@ -413,7 +416,8 @@ def format_plan(plan: Plan) -> str:
         f"tensor_parallel_size={inputs.tensor_parallel_size}, sequence-parallel MoE={sp_moe}, "
         f"graph_opt_level={inputs.graph_opt_level}, full_cuda_graph="
         f"{str(inputs.full_cuda_graph).lower()}, cudagraph_only_prefill="
-        f"{str(inputs.only_prefill).lower()} -> {inputs.mode} mode",
+        f"{str(inputs.only_prefill).lower()}, splitwise_role={inputs.splitwise_role} -> "
+        f"{inputs.mode} mode",
         f"cudagraph_capture_sizes ({len(plan.capture_sizes)}): {_listing(plan.capture_sizes)}",
         f"cudagraph_capture_sizes_prefill ({len(plan.capture_sizes_prefill)}"
         f"{'' if inputs.mode == 'static split' else ', used in static split mode only'}): "

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+from collections.abc import Mapping
 
-from fd_cudagraph_plugin.options import PluginOptions
+from fd_cudagraph_plugin.options import OPTIONS, PluginOptions
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -22,8 +24,23 @@ ENTRY_POINT_NAME = "fd_cudagraph_plugin"
 _BACKEND_MODULE = "fastdeploy.model_executor.graph_optimization.graph_optimization_backend"
 _NATIVE_MODULE = "fastdeploy.model_executor.graph_optimization.cudagraph_piecewise_backend"
 _NAME = "CudaGraphPiecewiseBackend"
+OPTION_PREFIX = "FD_CUDAGRAPH_"
 
 _logged = False
+_unknown_logged = False
+
+
+def unknown_options(environ: Mapping[str, str]) -> list[str]:
+    """Set ``FD_CUDAGRAPH_*`` variables that are no option, each with the closest known name."""
+    import difflib
+
+    known = [option.env for option in OPTIONS]
+    unknown = sorted(k for k in environ if k.startswith(OPTION_PREFIX) and k not in known)
+    hints = []
+    for env in unknown:
+        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
+        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
+    return hints
 
 
 class _ToFastDeploy(logging.Handler):
@@ -64,6 +81,7 @@ def register() -> None:
     choice = PluginOptions.from_env().backend
     backend_module = importlib.import_module(_BACKEND_MODULE)
     _log_to_fastdeploy()
+    _log_unknown_options()
     if choice == "native":
         if not _logged:
             _logged = True
@@ -92,6 +110,22 @@ def register() -> None:
             __version__,
             fastdeploy_version(),
             constructor_shape(native),
+        )
+
+
+def _log_unknown_options() -> None:
+    # A misspelt option would otherwise be ignored without a word; register() runs once per
+    # process, and a repeated call must not repeat the warning.
+    global _unknown_logged
+    if _unknown_logged:
+        return
+    hints = unknown_options(os.environ)
+    if hints:
+        _unknown_logged = True
+        logger.warning(
+            "fd-cudagraph-plugin ignores %s: set but not options of this plugin; rename or "
+            "unset them.",
+            ", ".join(hints),
         )
 
 

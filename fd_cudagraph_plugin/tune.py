@@ -1,14 +1,22 @@
 """``fd-cudagraph tune``: the capture sizes that pad a recorded decode workload least.
 
-Input is a histogram of decode token counts, read from plain traces (one count per line, blank
-lines and ``#`` comments allowed) or from the plugin's stats files (``fd-cudagraph-stats/1``: one
-JSON object per line whose ``decode_token_counts`` are increments since that backend's previous
-line, so the histogram is the sum over every line, ranks and backends mixed).
+Input is a histogram of decode steps, read from plain traces (one count per line, blank lines and
+``#`` comments allowed; ``-`` is standard input) or from the plugin's stats files
+(``fd-cudagraph-stats/1``: one JSON object per line whose counts are increments since that
+backend's previous line, so the histogram is the sum over every line, ranks and backends mixed).
 
-A step of ``n`` tokens replays the smallest captured size ``>= n`` and wastes the difference. With
-the largest size fixed (the largest observed count, or ``--max-size``), the list of at most N
-sizes with the fewest padded tokens is found exactly: every size worth having is an observed
-count, and choosing them is a dynamic programme over the distinct counts,
+Without speculative decoding a count is the decode step's tokens. With MTP, ngram or suffix
+decoding FastDeploy keys graphs by running requests: it captures each ``cudagraph_capture_sizes``
+entry ``s`` as ``s * (k + 1)`` tokens and maps ``r`` running requests to the smallest captured
+``s >= r``. Stats lines then carry ``running_request_counts`` and ``num_speculative_tokens``; a
+plain trace is read as running requests when ``--num-speculative-tokens`` is given. Either way the
+sizes are fitted in the units the user passes to FastDeploy, and each padded request slot costs
+``k + 1`` tokens, so the same optimum serves both.
+
+A step of ``n`` pads to the smallest captured size ``>= n`` and wastes the difference. With the
+largest size fixed (the largest observed count, or ``--max-size``), the list of at most N sizes
+with the fewest padded tokens is found exactly: every size worth having is an observed count, and
+choosing them is a dynamic programme over the distinct counts,
 
     best[c][j] = min over i < j of best[c - 1][i] + cost(i, j)
 
@@ -16,115 +24,29 @@ where ``cost(i, j)`` pads the counts after the i-th up to the j-th. That cost ob
 inequality (``cost(a, d) + cost(b, c) - cost(a, c) - cost(b, d) = (v_d - v_c) * (W_b - W_a) >= 0``
 for a <= b <= c <= d), so the best ``i`` never decreases as ``j`` grows and each layer is solved
 by divide and conquer in O(n log n) instead of O(n^2): still exact, in integers, no heuristic.
+
+Work is bounded whatever the input: counts above what FastDeploy could ever graph are only
+tallied, so memory holds at most a few thousand distinct counts and a line is read at a time.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from fd_cudagraph_plugin.capture_rules import (
+    DECODE_CAP,
+    MAX_SPECULATIVE_TOKENS,
+    default_capture_sizes,
+)
 from fd_cudagraph_plugin.errors import ConfigError, TraceError
-from fd_cudagraph_plugin.plan import DECODE_CAP, default_capture_sizes
 from fd_cudagraph_plugin.sizes import padding_table
-from fd_cudagraph_plugin.stats import STATS_FORMAT
-
-_HEX_ID = re.compile(r"(0x)?[0-9a-fA-F]+")
-_DIGITS = re.compile(r"[0-9]+")
-
-
-class Histogram(Counter):
-    """``{tokens: steps}``, plus the speculative methods the stats lines were recorded under."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.speculative_methods: set[str] = set()
-
-
-def read_histogram(paths: Iterable[str | Path]) -> Histogram:
-    """Sum the decode token counts of every trace or stats file: ``{tokens: steps}``."""
-    histogram = Histogram()
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                for lineno, raw in enumerate(handle, 1):
-                    _add_line(histogram, raw.strip(), f"{path}:{lineno}")
-        except OSError as error:
-            raise TraceError(f"cannot read trace file {path}: {error.strerror or error}.") from None
-        except UnicodeDecodeError as error:
-            raise TraceError(
-                f"{path}: not a UTF-8 text file ({error.reason} at byte {error.start}); a trace "
-                "is one decode token count per line or fd-cudagraph-stats/1 JSON lines."
-            ) from None
-    return histogram
-
-
-def _add_line(histogram: Counter[int], text: str, where: str) -> None:
-    if not text or text.startswith("#"):
-        return
-    if text.startswith("{"):
-        for tokens, steps in _stats_counts(text, where, histogram).items():
-            histogram[tokens] += steps
-        return
-    value = text.split("#", 1)[0].strip()
-    if not _DIGITS.fullmatch(value):
-        raise TraceError(
-            f"{where}: expected a decode token count (an integer >= 0) or an {STATS_FORMAT} JSON "
-            f"line; got {text[:80]!r}."
-        )
-    histogram[int(value)] += 1
-
-
-def _stats_counts(text: str, where: str, histogram: Histogram) -> dict[int, int]:
-    """Validate one stats line and return its ``{tokens: steps}`` increments."""
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TraceError(
-            f"{where}: not valid JSON ({error.msg} at column {error.colno}); each stats line is "
-            f"one {STATS_FORMAT} object."
-        ) from None
-    if not isinstance(record, dict):
-        raise TraceError(f"{where}: expected a JSON object; got {type(record).__name__}.")
-    fmt = record.get("format")
-    if fmt != STATS_FORMAT:
-        raise TraceError(f'{where}: "format" is {fmt!r}; this tool reads "{STATS_FORMAT}".')
-    missing = [k for k in ("time", "rank", "backend", "decode_token_counts") if k not in record]
-    if missing:
-        raise TraceError(f"{where}: missing {', '.join(map(repr, missing))} in the stats line.")
-    time, rank, backend = record["time"], record["rank"], record["backend"]
-    if isinstance(time, bool) or not isinstance(time, (int, float)) or not math.isfinite(time):
-        raise TraceError(f'{where}: "time" must be a unix time in seconds; got {time!r}.')
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise TraceError(f'{where}: "rank" must be an integer >= 0; got {rank!r}.')
-    if not isinstance(backend, str) or not _HEX_ID.fullmatch(backend):
-        raise TraceError(f'{where}: "backend" must be a hex id such as "7f3a2c"; got {backend!r}.')
-    counts = record["decode_token_counts"]
-    if not isinstance(counts, dict):
-        raise TraceError(f'{where}: "decode_token_counts" must be an object; got {counts!r}.')
-    parsed: dict[int, int] = {}
-    for key, steps in counts.items():
-        if not _DIGITS.fullmatch(key):
-            raise TraceError(
-                f'{where}: "decode_token_counts" key {key!r} is not a token count (digits only).'
-            )
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise TraceError(
-                f'{where}: "decode_token_counts"[{key!r}] must be a step count >= 0; got {steps!r}.'
-            )
-        parsed[int(key)] = steps
-    method = record.get("speculative_method")
-    if method:
-        histogram.speculative_methods.add(str(method))
-    return parsed
+from fd_cudagraph_plugin.traces import GRAPHED_LIMIT, bad_k
 
 
 def padded_tokens(sizes: Iterable[int], histogram: Mapping[int, int]) -> int:
-    """Tokens wasted by padding every step up to its captured size (steps above the list: none)."""
+    """Slots wasted by padding every step up to its captured size (steps above the list: none)."""
     table = padding_table(sizes)
     return sum(steps * (table[n] - n) for n, steps in histogram.items() if 0 < n < len(table))
 
@@ -201,6 +123,8 @@ def _next_layer(
 class TuneResult:
     steps: int
     max_size: int
+    #: In the units FastDeploy's ``cudagraph_capture_sizes`` takes: tokens, or running requests
+    #: under speculative decoding (FastDeploy multiplies them by k + 1).
     capture_sizes: list[int]
     padded_tokens: int
     baseline_capture_sizes: list[int]
@@ -209,10 +133,16 @@ class TuneResult:
     eager_above_max: int = 0
     eager_zero_tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    num_speculative_tokens: int = 0
 
     @property
     def graph_optimization_config(self) -> dict[str, list[int]]:
         return {"cudagraph_capture_sizes": self.capture_sizes}
+
+    @property
+    def captured_token_sizes(self) -> list[int]:
+        """The graph sizes FastDeploy captures from ``capture_sizes``, in tokens."""
+        return [size * (self.num_speculative_tokens + 1) for size in self.capture_sizes]
 
     @property
     def reduction(self) -> float:
@@ -228,6 +158,8 @@ class TuneResult:
             "baseline_capture_sizes": self.baseline_capture_sizes,
             "baseline_padded_tokens": self.baseline_padded_tokens,
             "graph_optimization_config": self.graph_optimization_config,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "captured_token_sizes": self.captured_token_sizes,
             "steps": self.steps,
             "max_size": self.max_size,
             "eager_above_max": self.eager_above_max,
@@ -236,63 +168,112 @@ class TuneResult:
         }
 
 
-def tune(histogram: Mapping[int, int], max_graphs: int, max_size: int | None = None) -> TuneResult:
-    """Choose at most ``max_graphs`` capture sizes for a decode histogram ``{tokens: steps}``.
+def _speculative_tokens(histogram: Mapping[int, int], requested: int | None) -> int:
+    """k for this fit: from the stats lines, else ``--num-speculative-tokens``, else 0."""
+    recorded = getattr(histogram, "num_speculative_tokens", None)
+    kinds = getattr(histogram, "kinds", set())
+    if requested is None:
+        return recorded or 0
+    if bad_k(requested):
+        raise ConfigError(
+            f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+            f"FastDeploy's range for mtp, ngram and suffix; got {requested!r}."
+        )
+    if recorded is not None and recorded != requested:
+        raise ConfigError(
+            f"--num-speculative-tokens {requested} differs from the stats files' "
+            f"num_speculative_tokens {recorded}; leave the flag out."
+        )
+    if "decode" in kinds:
+        raise ConfigError(
+            "--num-speculative-tokens reads a plain trace as running requests, but these stats "
+            "files hold decode token counts (recorded without running_request_counts); leave "
+            "the flag out."
+        )
+    return requested
 
-    The largest size is ``max_size`` when given, else the largest observed count. Steps above
-    ``max_size`` are ones FastDeploy runs eagerly whatever the list, so they are left out of both
-    totals and reported; so are 0-token steps.
+
+def tune(
+    histogram: Mapping[int, int],
+    max_graphs: int,
+    max_size: int | None = None,
+    num_speculative_tokens: int | None = None,
+) -> TuneResult:
+    """Choose at most ``max_graphs`` capture sizes for a histogram ``{count: steps}``.
+
+    The largest size is ``max_size`` when given, else the largest observed count up to 512.
+    Steps above it are ones FastDeploy runs eagerly whatever the list, so they are left out of
+    both totals and reported; so are 0-token steps.
     """
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
         raise ConfigError(f"--max-graphs must be an integer >= 1; got {max_graphs!r}.")
+    k = _speculative_tokens(histogram, num_speculative_tokens)
+    unit = "running requests" if k else "tokens"
     if max_size is not None and (
-        isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1
+        isinstance(max_size, bool)
+        or not isinstance(max_size, int)
+        or not 1 <= max_size <= DECODE_CAP
     ):
-        raise ConfigError(f"--max-size must be an integer >= 1; got {max_size!r}.")
+        raise ConfigError(
+            f"--max-size must be an integer in 1..{DECODE_CAP} ({unit}); got {max_size!r}. "
+            f"FastDeploy captures no decode size above min({DECODE_CAP}, max_num_seqs), and "
+            f"max_num_seqs is at most {DECODE_CAP}."
+        )
     bad = sorted(n for n, steps in histogram.items() if n < 0 or steps < 0)
     if bad:
-        raise ValueError(f"token counts and step counts must be >= 0; got {bad[:5]}")
+        raise ValueError(f"counts and step counts must be >= 0; got {bad[:5]}")
     observed = [n for n, steps in histogram.items() if n > 0 and steps > 0]
+    beyond = getattr(histogram, "beyond", 0)
     if not observed:
-        raise TraceError("the trace holds no decode step with 1 or more tokens; nothing to tune.")
-    top = max(observed) if max_size is None else max_size
+        raise TraceError(
+            f"the trace holds no decode step with 1 to {GRAPHED_LIMIT} {unit}; nothing to tune."
+        )
+    # FastDeploy's decode cap is min(512, max_num_seqs) with max_num_seqs <= 512 (config.py,
+    # FDConfig.__init__ and check()), so larger counts run eagerly under any list.
+    top = min(max(observed), DECODE_CAP) if max_size is None else max_size
     kept = {n: histogram[n] for n in observed if n <= top}
     if not kept:
         raise TraceError(
-            f"every decode step in the trace has more than --max-size {top} tokens "
+            f"every decode step in the trace has more than --max-size {top} {unit} "
             f"(smallest {min(observed)}); raise --max-size."
         )
     sizes = optimal_sizes(kept, max_graphs, top)
+    # FastDeploy's automatic list for max_num_seqs = top, in the units the user passes: with
+    # speculative decoding it scales the same candidates by k + 1.
     baseline = default_capture_sizes(top)
     notes = []
     methods = sorted(getattr(histogram, "speculative_methods", ()))
-    if methods:
+    if k:
         notes.append(
-            f"These stats were recorded with speculative decoding ({', '.join(methods)}): "
-            "FastDeploy multiplies user-given capture sizes by k + 1 and keys graphs by running "
-            "requests, so this token-count list does not carry over as it is."
+            f"Speculative decoding with k = {k}: FastDeploy captures each size s as s x {k + 1} "
+            f"tokens ({', '.join(map(str, (s * (k + 1) for s in sizes)))}) and replays the "
+            "smallest one that holds the running requests; serve with the same "
+            f"num_speculative_tokens and --max-num-seqs >= {top}."
         )
-    if top > DECODE_CAP:
+    elif methods:
         notes.append(
-            f"Without speculative decoding FastDeploy drops every capture size above "
-            f"min({DECODE_CAP}, max_num_seqs), so sizes above {DECODE_CAP} here would not be "
-            f"captured; rerun with --max-size {DECODE_CAP}."
+            f"These stats were recorded with speculative decoding ({', '.join(methods)}) by token "
+            "count: FastDeploy multiplies user-given capture sizes by k + 1 and keys graphs by "
+            "running requests, so this token-count list does not carry over as it is. Record "
+            "running_request_counts (a newer plugin) or pass a trace of running requests with "
+            "--num-speculative-tokens."
         )
     else:
         notes.append(
             f"Serve with --max-num-seqs >= {top}: FastDeploy drops capture sizes above "
-            "min(512, max_num_seqs)."
+            f"min({DECODE_CAP}, max_num_seqs)."
         )
     return TuneResult(
         steps=sum(kept.values()),
         max_size=top,
         capture_sizes=sizes,
-        padded_tokens=padded_tokens(sizes, kept),
+        padded_tokens=padded_tokens(sizes, kept) * (k + 1),
         baseline_capture_sizes=baseline,
-        baseline_padded_tokens=padded_tokens(baseline, kept),
-        eager_above_max=sum(s for n, s in histogram.items() if n > top),
+        baseline_padded_tokens=padded_tokens(baseline, kept) * (k + 1),
+        eager_above_max=sum(s for n, s in histogram.items() if n > top) + beyond,
         eager_zero_tokens=histogram.get(0, 0),
         notes=notes,
+        num_speculative_tokens=k,
     )
 
 
@@ -300,13 +281,18 @@ def format_result(result: TuneResult) -> str:
     def per_step(tokens: int) -> str:
         return f"{tokens / result.steps:.3f} per step"
 
-    lines = [
-        f"decode steps: {result.steps} with 1..{result.max_size} tokens",
-    ]
+    k = result.num_speculative_tokens
+    unit = "running requests" if k else "tokens"
+    lines = [f"decode steps: {result.steps} with 1..{result.max_size} {unit}"]
+    if k:
+        lines.append(
+            f"speculative decoding, k = {k}: sizes below are running requests, as "
+            f"cudagraph_capture_sizes takes them; each padded request costs {k + 1} tokens"
+        )
     if result.eager_above_max or result.eager_zero_tokens:
         lines.append(
             f"left out (FastDeploy runs them eagerly): {result.eager_above_max} steps above "
-            f"{result.max_size} tokens, {result.eager_zero_tokens} steps with 0 tokens"
+            f"{result.max_size} {unit}, {result.eager_zero_tokens} steps with 0 tokens"
         )
     tuned, baseline = result.capture_sizes, result.baseline_capture_sizes
     lines += [

@@ -188,11 +188,14 @@ def test_exit_code_is_0_when_ready_and_1_on_any_fail(monkeypatch, capsys):
     assert "FAIL  FD_PLUGINS: unset" in capsys.readouterr().out
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 def _doctor_subprocess(tmp_path: Path, pythonpath: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FD_", "PYTHONPATH"))}
     env.update(READY)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
+    # This checkout first, so the doctor under test runs and not another installed copy.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([pythonpath] if pythonpath else [])])
     return subprocess.run(
         [sys.executable, "-m", "fd_cudagraph_plugin", "doctor"],
         cwd=tmp_path,

@@ -8,14 +8,10 @@ import json
 import pytest
 from conftest import make_config
 
+from fd_cudagraph_plugin.capture_rules import default_capture_sizes
 from fd_cudagraph_plugin.cli import main
 from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.plan import (
-    PlanInput,
-    default_capture_sizes,
-    derive_plan,
-    format_ranges,
-)
+from fd_cudagraph_plugin.plan import PlanInput, derive_plan, format_ranges
 from fd_cudagraph_plugin.settings import Settings
 
 DEFAULT_128 = [128, 120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
@@ -73,9 +69,24 @@ def test_naive_keeps_token_keys_and_k_without_method_is_noted():
     assert any("no effect without --spec-method" in note for note in plain.notes)
 
 
-def test_sequence_parallel_moe_filter_leaves_fastdeploy_map_stale_and_plugin_repads():
+def test_mixed_role_turns_sequence_parallel_moe_off_before_the_filter():
+    """FastDeploy's postprocess disables SP-MoE in the mixed role before filter_capture_size."""
     plan = derive_plan(
         PlanInput(max_num_seqs=16, tensor_parallel_size=4, sequence_parallel_moe=True)
+    )
+    assert plan.capture_sizes == [16, 8, 4, 2, 1] and not plan.filtered_for_tp
+    assert plan.stale_padding == []
+    assert any("mixed role" in note for note in plan.notes)
+
+
+def test_sequence_parallel_moe_filter_leaves_fastdeploy_map_stale_and_plugin_repads():
+    plan = derive_plan(
+        PlanInput(
+            max_num_seqs=16,
+            tensor_parallel_size=4,
+            sequence_parallel_moe=True,
+            splitwise_role="decode",
+        )
     )
     assert plan.capture_sizes == [16, 8, 4]
     # FastDeploy's map was built before the filter: 1 and 2 still name removed graphs.
@@ -87,7 +98,12 @@ def test_sequence_parallel_moe_filter_leaves_fastdeploy_map_stale_and_plugin_rep
 
 def test_sequence_parallel_moe_is_disabled_when_seqs_below_tp():
     plan = derive_plan(
-        PlanInput(max_num_seqs=2, tensor_parallel_size=4, sequence_parallel_moe=True)
+        PlanInput(
+            max_num_seqs=2,
+            tensor_parallel_size=4,
+            sequence_parallel_moe=True,
+            splitwise_role="decode",
+        )
     )
     assert plan.capture_sizes == [2, 1] and not plan.filtered_for_tp
     assert any("disables it" in note for note in plan.notes)
@@ -166,8 +182,9 @@ def test_format_ranges_groups_runs_of_the_same_size():
 
 GRID = list(
     itertools.product(
-        [1, 3, 8, 100, 128, 256, 300, 512, 1000],  # max_num_seqs
-        [None, ("mtp", 1), ("mtp", 2), ("mtp", 0), ("ngram", 3), ("suffix", 1), ("naive", 2)],
+        # FastDeploy refuses max_num_seqs > 512 and k outside 1..5 (test_fastdeploy_limits_...).
+        [1, 3, 8, 100, 128, 256, 300, 512],  # max_num_seqs
+        [None, ("mtp", 1), ("mtp", 2), ("mtp", 5), ("ngram", 3), ("suffix", 1), ("naive", 2)],
         [(1, False), (2, True), (3, True), (4, True), (4, False)],  # (tp, sequence-parallel MoE)
         [None, (1, 2, 4, 8, 16, 32), (3, 5, 6, 12, 100, 600), (256,)],  # cudagraph_capture_sizes
         [False, True],  # cudagraph_only_prefill
@@ -196,6 +213,9 @@ def _compare_with_stand_in(
         capture_sizes=sizes,
         capture_sizes_prefill=prefill_sizes,
         max_capture_shape_prefill=prefill_cap,
+        # The stand-in filters for sequence-parallel MoE in every role, which FastDeploy does in
+        # the decode role only (it turns SP-MoE off in the mixed role first): compare there.
+        splitwise_role="decode",
     )
     try:
         config = make_config(
@@ -296,10 +316,59 @@ def test_cli_plan_text_names_modes_and_graph_counts(capsys):
         (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1; got 0"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1"),
         (["--max-capture-shape-prefill", "0"], "--max-capture-shape-prefill must be"),
-        (["--spec-method", "mtp", "--num-speculative-tokens", "-1"], "must be an integer >= 0"),
+        (["--spec-method", "mtp", "--num-speculative-tokens", "0"], "must be an integer in 1..5"),
+        (["--spec-method", "ngram", "--num-speculative-tokens", "100000000"], "in 1..5"),
+        (["--max-num-seqs", "513"], "--max-num-seqs must be at most 512; got 513"),
+        (["--max-capture-shape-prefill", "1000000000"], "--max-capture-shape-prefill must be at"),
         (["--max-num-seqs", "2", "--capture-sizes", "4,8"], "no decode capture size is left"),
     ],
 )
 def test_cli_plan_bad_setting_exits_2_naming_it(argv, message, capsys):
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_unknown_splitwise_role_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--splitwise-role", "both"])
+    assert exit_info.value.code == 2
+    assert "--splitwise-role: invalid choice: 'both'" in capsys.readouterr().err
+
+
+def test_prefill_node_without_only_prefill_captures_nothing():
+    plan = derive_plan(PlanInput(max_num_seqs=8, splitwise_role="prefill"))
+    assert not plan.use_cudagraph and plan.total_graphs == 0
+    assert any("--only-prefill" in note for note in plan.notes)
+    graphed = derive_plan(PlanInput(max_num_seqs=8, splitwise_role="prefill", only_prefill=True))
+    assert graphed.use_cudagraph and graphed.total_graphs > 0
+
+
+def test_prefill_node_with_only_prefill_still_filters_for_sequence_parallel_moe():
+    plan = derive_plan(
+        PlanInput(
+            max_num_seqs=16,
+            tensor_parallel_size=4,
+            sequence_parallel_moe=True,
+            splitwise_role="prefill",
+            only_prefill=True,
+        )
+    )
+    assert plan.filtered_for_tp and all(size % 4 == 0 for size in plan.capture_sizes)
+
+
+@pytest.mark.parametrize(("draft_graphs", "backends"), [(True, 2), (False, 1)])
+def test_mtp_draft_backend_follows_draft_model_use_cudagraph(draft_graphs, backends):
+    plan = derive_plan(
+        PlanInput(max_num_seqs=8, spec_method="mtp", draft_model_use_cudagraph=draft_graphs)
+    )
+    assert len(plan.backends) == backends
+
+
+def test_cli_plan_takes_the_role_and_the_draft_flag(capsys):
+    argv = ["plan", "--max-num-seqs", "16", "--tensor-parallel-size", "4"]
+    assert main([*argv, "--sequence-parallel-moe", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cudagraph_capture_sizes"] == [16, 8, 4, 2, 1]
+    assert main([*argv, "--sequence-parallel-moe", "--splitwise-role", "decode", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cudagraph_capture_sizes"] == [16, 8, 4]
+    assert main(["plan", "--spec-method", "mtp", "--no-draft-model-use-cudagraph"]) == 0
+    assert "MTP draft model:" not in capsys.readouterr().out

@@ -146,3 +146,16 @@ def test_any_bad_option_stops_register_with_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_WARMUP='twice'.*per_size"):
         plugin.register()
     assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
+
+
+def test_unknown_option_is_logged_once_at_register_with_the_closest_name(monkeypatch, caplog, sim):
+    monkeypatch.setenv("FD_CUDAGRAPH_BACKNED", "native")
+    monkeypatch.setattr(plugin, "_unknown_logged", False)
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        plugin.register()
+        plugin.register()
+    lines = [r.getMessage() for r in caplog.records if "FD_CUDAGRAPH_BACKNED" in r.getMessage()]
+    assert lines == [
+        "fd-cudagraph-plugin ignores FD_CUDAGRAPH_BACKNED (did you mean FD_CUDAGRAPH_BACKEND?): "
+        "set but not options of this plugin; rename or unset them."
+    ]

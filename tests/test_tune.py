@@ -12,12 +12,13 @@ from collections import Counter
 import pytest
 from conftest import make_config
 
+from fd_cudagraph_plugin.capture_rules import default_capture_sizes, fastdeploy_bsz_map
 from fd_cudagraph_plugin.cli import main
 from fd_cudagraph_plugin.errors import ConfigError, TraceError
-from fd_cudagraph_plugin.plan import default_capture_sizes
 from fd_cudagraph_plugin.settings import Settings
 from fd_cudagraph_plugin.stats import STATS_FORMAT, StatsFile
-from fd_cudagraph_plugin.tune import optimal_sizes, padded_tokens, read_histogram, tune
+from fd_cudagraph_plugin.traces import read_histogram
+from fd_cudagraph_plugin.tune import optimal_sizes, padded_tokens, tune
 
 
 def _brute_force(histogram: dict[int, int], max_graphs: int, top: int) -> int:
@@ -79,7 +80,7 @@ def test_skewed_trace_beats_the_default_list_at_the_same_number_of_graphs():
 def test_bad_limits_name_the_flag():
     with pytest.raises(ConfigError, match="--max-graphs must be an integer >= 1; got 0"):
         tune({1: 1}, max_graphs=0)
-    with pytest.raises(ConfigError, match="--max-size must be an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"--max-size must be an integer in 1\.\.512"):
         tune({1: 1}, max_graphs=1, max_size=0)
     with pytest.raises(TraceError, match="more than --max-size 4"):
         tune({9: 1}, max_graphs=1, max_size=4)
@@ -244,3 +245,154 @@ def test_stats_recorded_with_speculative_decoding_get_a_note(tmp_path):
     path.write_text(json.dumps(line) + "\n")
     result = tune(read_histogram([path]), 2)
     assert any("speculative decoding (mtp)" in note for note in result.notes)
+
+
+# --------------------------------------------------------------- bounded work for any input
+
+
+def test_huge_count_is_an_error_with_file_and_line_not_an_overflow(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("4\n99999999999999999999\n")
+    assert main(["tune", str(trace), "--max-graphs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:2: 99999999999999999999 is above 2147483647" in err
+
+
+def test_a_count_of_thousands_of_digits_is_the_same_clean_error(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("4\n" + "9" * 5000 + "  # comment\n")
+    assert main(["tune", str(trace), "--max-graphs", "2"]) == 2
+    assert f"{trace}:2: 999999999999999999999999... is above" in capsys.readouterr().err
+
+
+def test_max_size_above_fastdeploys_cap_names_the_flag(capsys):
+    with pytest.raises(ConfigError, match=r"--max-size must be an integer in 1\.\.512"):
+        tune({1: 1}, max_graphs=2, max_size=1_000_000_000)
+
+
+def test_counts_above_any_graph_are_tallied_not_stored(tmp_path):
+    """Memory follows the distinct counts FastDeploy could graph, not the largest value."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("".join(f"{n}\n" for n in range(4000, 200_000, 7)) + "3\n600\n")
+    histogram = read_histogram([trace])
+    assert dict(histogram) == {3: 1, 600: 1}
+    assert histogram.beyond == len(range(4000, 200_000, 7))
+    result = tune(histogram, max_graphs=4)
+    assert result.max_size == 512 and result.capture_sizes == [512, 3]
+    assert result.eager_above_max == histogram.beyond + 1
+    assert result.baseline_capture_sizes == default_capture_sizes(512)
+
+
+def test_default_baseline_is_fastdeploys_list_for_the_observed_maximum():
+    result = tune({3: 4, 100: 1}, max_graphs=2)
+    assert (
+        result.baseline_capture_sizes == make_config(100).graph_opt_config.cudagraph_capture_sizes
+    )
+
+
+def test_bad_byte_names_the_line_and_a_bom_is_accepted(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_bytes(b"\xef\xbb\xbf4\n5\n")
+    assert read_histogram([trace]) == {4: 1, 5: 1}
+    trace.write_bytes(b"4\n5\n\xff6\n")
+    assert main(["tune", str(trace), "--max-graphs", "2"]) == 2
+    assert f"{trace}:3: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_dash_reads_standard_input():
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-", "--max-graphs", "1", "--json"],
+        input="3\n3\n7\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["capture_sizes"] == [7]
+
+
+# --------------------------------------------------------------- speculative decoding
+
+
+def _running_line(k: int, counts: dict[int, int], method: str = "mtp") -> str:
+    return json.dumps(
+        {
+            "format": STATS_FORMAT,
+            "time": 1.0,
+            "rank": 0,
+            "backend": "0x7f00",
+            "speculative_method": method,
+            "num_speculative_tokens": k,
+            "running_request_counts": {str(n): c for n, c in counts.items()},
+        }
+    )
+
+
+def _fastdeploy_padding(requests: list[int], k: int, histogram: dict[int, int]) -> int:
+    """Tokens padded when FastDeploy serves ``histogram`` (running requests) with these sizes.
+
+    Goes through FastDeploy's own rules: user sizes times k + 1, then real_bsz_to_captured_size.
+    """
+    bsz_map = fastdeploy_bsz_map(sorted((s * (k + 1) for s in requests), reverse=True), k)
+    return sum(steps * (bsz_map[r] - r * (k + 1)) for r, steps in histogram.items())
+
+
+def test_speculative_sizes_are_optimal_against_brute_force_in_fastdeploys_terms():
+    rng = random.Random(20260602)
+    for _ in range(150):
+        k = rng.randint(1, 5)
+        histogram = {rng.randint(1, 14): rng.randint(1, 30) for _ in range(rng.randint(1, 8))}
+        max_graphs = rng.randint(1, 5)
+        result = tune(histogram, max_graphs, num_speculative_tokens=k)
+        top = max(histogram)
+        best = min(
+            _fastdeploy_padding([*extra, top], k, histogram)
+            for count in range(max_graphs)
+            for extra in itertools.combinations(range(1, top), count)
+        )
+        assert len(result.capture_sizes) <= max_graphs
+        assert result.padded_tokens == _fastdeploy_padding(result.capture_sizes, k, histogram)
+        assert result.padded_tokens == best
+
+
+def test_speculative_stats_are_read_and_the_config_yields_the_fitted_graphs(tmp_path):
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text(_running_line(2, {1: 40, 2: 5, 6: 9}) + "\n" + _running_line(2, {6: 1}) + "\n")
+    result = tune(read_histogram([stats]), max_graphs=2)
+    assert result.num_speculative_tokens == 2 and result.capture_sizes == [6, 1]
+    assert result.padded_tokens == 5 * (6 - 2) * 3
+    config = make_config(
+        6,
+        speculative={"method": "mtp", "num_speculative_tokens": 2},
+        **result.graph_optimization_config,
+    )
+    assert config.graph_opt_config.cudagraph_capture_sizes == result.captured_token_sizes == [18, 3]
+
+
+def test_cli_reads_a_plain_trace_as_running_requests_with_k(tmp_path, capsys):
+    trace = tmp_path / "running.txt"
+    trace.write_text("1\n1\n1\n4\n")
+    assert main(["tune", str(trace), "--max-graphs", "1", "--num-speculative-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding, k = 3" in out and "padded tokens: tuned 36 " in out
+    assert """--graph-optimization-config '{"cudagraph_capture_sizes": [4]}'""" in out
+
+
+SPECULATIVE_ERRORS = [
+    ([_running_line(2, {1: 1}), _running_line(3, {1: 1})], [], "earlier lines say 2"),
+    ([_running_line(9, {1: 1})], [], '"num_speculative_tokens" must be an integer in 1..5'),
+    ([_running_line(2, {1: 1}), _stats_line(0, "0x1", {1: 1})], [], "mix speculative stats"),
+    ([_running_line(2, {1: 1})], ["--num-speculative-tokens", "1"], "differs from the stats"),
+    ([_stats_line(0, "0x1", {1: 1})], ["--num-speculative-tokens", "1"], "leave the flag out"),
+    (["3"], ["--num-speculative-tokens", "100000000"], "--num-speculative-tokens must be"),
+]
+
+
+@pytest.mark.parametrize(("lines", "flags", "message"), SPECULATIVE_ERRORS)
+def test_speculative_inconsistencies_exit_2_naming_the_field(
+    lines, flags, message, tmp_path, capsys
+):
+    trace = tmp_path / "stats.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["tune", str(trace), "--max-graphs", "2", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,204 @@
+"""Reading decode workloads for ``fd-cudagraph tune``: plain traces and the plugin's stats files.
+
+A plain trace has one count per line (blank lines and ``#`` comments allowed; ``-`` is standard
+input). A stats file (``fd-cudagraph-stats/1``) has one JSON object per line whose counts are
+increments since that backend's previous line, so the histogram is the sum over every line,
+ranks and backends mixed. Work is bounded whatever the input: counts above what FastDeploy could
+ever graph are only tallied, and a line is read at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from fd_cudagraph_plugin.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS
+from fd_cudagraph_plugin.errors import TraceError
+from fd_cudagraph_plugin.stats import STATS_FORMAT
+
+_HEX_ID = re.compile(r"(0x)?[0-9a-fA-F]+")
+_DIGITS = re.compile(r"[0-9]+")
+#: FastDeploy keeps sequence lengths in int32 tensors, so no step holds more tokens than this.
+TOKEN_LIMIT = 2**31 - 1
+#: No graph FastDeploy builds is larger (decode cap 512 requests times k + 1 <= 6 tokens each);
+#: counts above it are tallied as eager steps, never kept one by one.
+GRAPHED_LIMIT = DECODE_CAP * (MAX_SPECULATIVE_TOKENS + 1)
+#: A stats line holds at most a few thousand counts; a longer line is not one of ours.
+_MAX_LINE = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+
+
+class Histogram(Counter):
+    """``{count: steps}``: decode tokens, or running requests when ``num_speculative_tokens``.
+
+    Counts above any graph FastDeploy builds are tallied in ``beyond`` (steps) only.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.speculative_methods: set[str] = set()
+        self.num_speculative_tokens: int | None = None
+        self.beyond = 0
+        #: ``"plain"``, ``"decode"`` (stats by tokens) or ``"running"`` lines seen, for mixing.
+        self.kinds: set[str] = set()
+
+    def add(self, count: int, steps: int) -> None:
+        if count > GRAPHED_LIMIT:
+            self.beyond += steps
+        else:
+            self[count] += steps
+
+
+def read_histogram(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -> Histogram:
+    """Sum the step counts of every trace or stats file (``-`` is standard input)."""
+    histogram = Histogram()
+    for path in paths:
+        if str(path) == "-":
+            _read(stdin or sys.stdin.buffer, "<stdin>", histogram)
+            continue
+        try:
+            with open(path, "rb") as handle:
+                _read(handle, str(path), histogram)
+        except OSError as error:
+            raise TraceError(f"cannot read trace file {path}: {error.strerror or error}.") from None
+    if "running" in histogram.kinds and histogram.kinds - {"running"}:
+        raise TraceError(
+            "the traces mix speculative stats (running_request_counts) with decode token counts; "
+            "tune one kind at a time (pass only the files of one deployment)."
+        )
+    return histogram
+
+
+def _lines(handle: BinaryIO) -> Iterator[bytes]:
+    while True:
+        raw = handle.readline(_MAX_LINE)
+        if not raw:
+            return
+        yield raw
+
+
+def _read(handle: BinaryIO, name: str, histogram: Histogram) -> None:
+    for lineno, raw in enumerate(_lines(handle), 1):
+        where = f"{name}:{lineno}"
+        if lineno == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]
+        if len(raw) == _MAX_LINE and not raw.endswith(b"\n"):
+            raise TraceError(f"{where}: line longer than {_MAX_LINE} bytes; not a trace line.")
+        stripped = raw.strip()
+        # The common line, a bare count, skips decoding and the regular expressions.
+        if stripped.isdigit():
+            histogram.kinds.add("plain")
+            histogram.add(_parse_count(stripped, where), 1)
+            continue
+        try:
+            text = stripped.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise TraceError(
+                f"{where}: not UTF-8 text ({error.reason} at byte {error.start + 1} of the "
+                "line); a trace is one decode token count per line or fd-cudagraph-stats/1 "
+                "JSON lines."
+            ) from None
+        _add_line(histogram, text, where)
+
+
+def _parse_count(digits: bytes | str, where: str) -> int:
+    """A count of at most ``TOKEN_LIMIT``; longer digit strings never reach ``int()``."""
+    significant = digits.lstrip(b"0" if isinstance(digits, bytes) else "0")
+    value = int(significant) if significant and len(significant) <= 10 else 0
+    if value > TOKEN_LIMIT or len(significant) > 10:
+        shown = significant[:24].decode() if isinstance(significant, bytes) else significant[:24]
+        raise TraceError(
+            f"{where}: {shown}{'...' if len(significant) > 24 else ''} is above {TOKEN_LIMIT}, "
+            "the most tokens a FastDeploy step can hold (int32 sequence lengths); not a decode "
+            "token count."
+        )
+    return value
+
+
+def _add_line(histogram: Histogram, text: str, where: str) -> None:
+    if not text or text.startswith("#"):
+        return
+    if text.startswith("{"):
+        _add_stats(text, where, histogram)
+        return
+    value = text.split("#", 1)[0].strip()
+    if not _DIGITS.fullmatch(value):
+        raise TraceError(
+            f"{where}: expected a decode token count (an integer >= 0) or an {STATS_FORMAT} JSON "
+            f"line; got {text[:80]!r}."
+        )
+    histogram.kinds.add("plain")
+    histogram.add(_parse_count(value, where), 1)
+
+
+def _add_stats(text: str, where: str, histogram: Histogram) -> None:
+    """Validate one stats line and add its increments."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TraceError(
+            f"{where}: not valid JSON ({error.msg} at column {error.colno}); each stats line is "
+            f"one {STATS_FORMAT} object."
+        ) from None
+    except (ValueError, RecursionError) as error:  # a 5000-digit number, nesting too deep
+        raise TraceError(f"{where}: not a {STATS_FORMAT} line ({error}).") from None
+    if not isinstance(record, dict):
+        raise TraceError(f"{where}: expected a JSON object; got {type(record).__name__}.")
+    fmt = record.get("format")
+    if fmt != STATS_FORMAT:
+        raise TraceError(f'{where}: "format" is {fmt!r}; this tool reads "{STATS_FORMAT}".')
+    running = "running_request_counts" in record
+    key = "running_request_counts" if running else "decode_token_counts"
+    missing = [k for k in ("time", "rank", "backend", key) if k not in record]
+    if missing:
+        raise TraceError(f"{where}: missing {', '.join(map(repr, missing))} in the stats line.")
+    time, rank, backend = record["time"], record["rank"], record["backend"]
+    if isinstance(time, bool) or not isinstance(time, (int, float)) or not math.isfinite(time):
+        raise TraceError(f'{where}: "time" must be a unix time in seconds; got {time!r}.')
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise TraceError(f'{where}: "rank" must be an integer >= 0; got {rank!r}.')
+    if not isinstance(backend, str) or not _HEX_ID.fullmatch(backend):
+        raise TraceError(f'{where}: "backend" must be a hex id such as "7f3a2c"; got {backend!r}.')
+    if running:
+        k = record.get("num_speculative_tokens")
+        if bad_k(k):
+            raise TraceError(
+                f'{where}: "num_speculative_tokens" must be an integer in '
+                f"1..{MAX_SPECULATIVE_TOKENS} (FastDeploy's range) next to running_request_counts; "
+                f"got {k!r}."
+            )
+        if histogram.num_speculative_tokens not in (None, k):
+            raise TraceError(
+                f'{where}: "num_speculative_tokens" is {k}, earlier lines say '
+                f"{histogram.num_speculative_tokens}; tune the stats of one deployment at a time."
+            )
+        histogram.num_speculative_tokens = k
+    counts = record[key]
+    if not isinstance(counts, dict):
+        raise TraceError(f'{where}: "{key}" must be an object; got {str(counts)[:80]}.')
+    parsed: list[tuple[int, int]] = []
+    for count, steps in counts.items():
+        if not _DIGITS.fullmatch(count):
+            what = "request" if running else "token"
+            raise TraceError(f'{where}: "{key}" key {count[:40]!r} is not a {what} count.')
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise TraceError(
+                f'{where}: "{key}"[{count!r}] must be a step count >= 0; got {steps!r}.'
+            )
+        parsed.append((_parse_count(count, where), steps))
+    histogram.kinds.add("running" if running else "decode")
+    for count, steps in parsed:
+        histogram.add(count, steps)
+    method = record.get("speculative_method")
+    if method:
+        histogram.speculative_methods.add(str(method)[:40])
+
+
+def bad_k(k: object) -> bool:
+    return isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS

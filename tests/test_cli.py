@@ -1,0 +1,109 @@
+"""``fd-cudagraph`` follows command-line conventions: usage errors, signals, pipes, help text."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fd_cudagraph_plugin import __version__
+from fd_cudagraph_plugin.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=env,
+        check=False,
+    )
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fd-cudagraph {__version__}"
+
+
+@pytest.mark.parametrize("steps", ["-5", "0", "many"])
+def test_demo_with_a_bad_step_count_is_a_usage_error(steps, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", steps])
+    assert exit_info.value.code == 2
+    assert "--steps: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_doctor_json_lists_every_check(capsys):
+    code = main(["doctor", "--json"])
+    document = json.loads(capsys.readouterr().out)
+    assert document["exit_code"] == code
+    assert {"name", "status", "detail", "fix"} <= set(document["checks"][0])
+
+
+def _texts(parser) -> list[str]:
+    texts = [parser.format_help()]
+    for action in parser._actions:
+        for sub in getattr(action, "choices", None) or {}:
+            if hasattr(action.choices[sub], "format_help"):
+                texts.append(action.choices[sub].format_help())
+    return texts
+
+
+def test_help_is_plain_text_without_rest_markup():
+    for text in _texts(build_parser()):
+        assert "``" not in text
+
+
+def test_closed_stdout_ends_without_a_traceback():
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "plan", "--max-num-seqs", "512", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    reader.stdout.close()  # the reader went away, as `| head -0` does
+    _, err = reader.communicate()
+    assert reader.returncode == 1
+    assert b"Traceback" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_full_stdout_ends_without_a_traceback():
+    with open("/dev/full", "w") as full:
+        done = _run("plan", "--max-num-seqs", "8", stdout=full)
+    assert done.returncode == 1
+    assert b"No space left on device" in done.stderr and b"Traceback" not in done.stderr
+
+
+def test_ctrl_c_exits_130_without_a_traceback():
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-", "--max-graphs", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    reader.stdin.write(b"3\n")
+    reader.stdin.flush()
+    # Wait until the process is reading standard input, i.e. inside main(), then interrupt it.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stat = Path(f"/proc/{reader.pid}/wchan")
+        if stat.exists() and "pipe" in stat.read_text():
+            break
+        time.sleep(0.05)
+    reader.send_signal(signal.SIGINT)
+    _, err = reader.communicate(timeout=60)
+    assert reader.returncode == 130, err
+    assert b"Traceback" not in err and b"interrupted" in err
