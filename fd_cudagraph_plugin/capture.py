@@ -26,8 +26,16 @@ from fd_cudagraph_plugin.static import StaticGraphDriver
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 _OOM_ADVICE = (
-    "lower --max-num-seqs or --gpu-memory-utilization, or trim cudagraph_capture_sizes in "
-    "--graph-optimization-config"
+    "Out of memory: lower --max-num-seqs or --gpu-memory-utilization, or trim "
+    "cudagraph_capture_sizes in --graph-optimization-config."
+)
+_OP_ADVICE = (
+    "An op in the model cannot be captured or run at this size: fix it, or serve without CUDA "
+    "graphs (--graph-optimization-config '{\"use_cudagraph\": false}')."
+)
+_RESTART = (
+    " The failure happened inside the capture, after which Paddle cannot capture again in this "
+    "process: restart the worker once the cause is fixed."
 )
 
 _process_warmed = False
@@ -101,11 +109,13 @@ class Capturer:
             self.pool = pools_for(self.runtime).acquire(self.pool_policy, id(owner))
         warmups = self._warmup_count(session)
         started = time.perf_counter()
+        stage = "warm-up"
         try:
             self._warm_up(runnable, kwargs, warmups)
             self.runtime.synchronize()
             # Measured around the capture alone: warm-ups may grow ordinary allocator memory.
             before = self.runtime.pool_bytes(self.pool)
+            stage = "capture"
             with allreduce.capture_context():
                 if static:
                     self.static.capture(runnable, kwargs, entry.size)
@@ -116,7 +126,7 @@ class Capturer:
                     entry.replay = getattr(entry.graph, "replay_fn", entry.graph.replay)
             entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
         except Exception as error:
-            raise self._error(entry, static, error) from error
+            raise self._error(entry, static, stage, error) from error
         entry.static_captured = static
         entry.capture_seconds = time.perf_counter() - started
         if entry.phase == DECODE:
@@ -197,15 +207,19 @@ class Capturer:
                 "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.", self.runtime.name
             )
 
-    def _error(self, entry: GraphEntry, static: bool, error: Exception) -> CaptureError:
+    def _error(self, entry: GraphEntry, static: bool, stage: str, error: Exception) -> CaptureError:
+        """Name the size, the mode, the stage and the cause. Only an out-of-memory cause gets
+        memory advice: FastDeploy's capture_model() rewraps any error whose text says "out of
+        memory" as a CUDA OOM, which would hide a graph break or an uncapturable op."""
         settings = self.settings
+        out_of_memory = "out of memory" in str(error).lower() or isinstance(error, MemoryError)
         return CaptureError(
-            f"CUDA graph capture failed for {entry.phase} size {entry.size} "
+            f"CUDA graph {stage} failed for {entry.phase} size {entry.size} "
             f"({'static' if static else 'dynamic'} mode, "
             f"graph_opt_level={settings.graph_opt_level}, "
             f"full_cuda_graph={settings.full_cuda_graph}): {type(error).__name__}: {error}. "
-            f"The size stays uncaptured and the next call retries it. If this is out of memory, "
-            f"{_OOM_ADVICE}."
+            f"{_OOM_ADVICE if out_of_memory else _OP_ADVICE}"
+            f"{_RESTART if stage == 'capture' else ''}"
         )
 
 

@@ -12,7 +12,8 @@ class ConfigError(CudaGraphPluginError, ValueError):
 
 
 class CaptureError(CudaGraphPluginError, RuntimeError):
-    """Warm-up or capture of one graph failed; the entry stays uncaptured and can be retried."""
+    """Warm-up or capture of one graph failed; no graph of that size is served. After a failure
+    inside the capture itself, Paddle cannot capture again in this process."""
 
 
 class CaptureIncompleteError(CudaGraphPluginError, ValueError):

@@ -219,7 +219,9 @@ class FlakyBackbone(TinyBackbone):
 
 
 @pytest.mark.parametrize(("phase", "call"), [("warm-up", 2), ("capture", 3)])
-def test_failure_in_warmup_or_capture_is_reported_and_the_retry_works(sim, phase, call):
+def test_failure_in_warmup_or_capture_is_reported_and_only_a_warmup_can_be_retried(
+    sim, phase, call
+):
     model = FlakyBackbone(fail_on={call})
     backend = CudaGraphBackend(
         fd_config=make_config(8), dy_runnable=model.forward, runnable=model.forward
@@ -228,11 +230,16 @@ def test_failure_in_warmup_or_capture_is_reported_and_the_retry_works(sim, phase
     with pytest.raises(CaptureError) as raised:
         backend(**buffers.step(8))
     message = str(raised.value)
-    assert "decode size 8" in message and "dynamic mode" in message
+    assert f"{phase} failed for decode size 8" in message and "dynamic mode" in message
     assert "--max-num-seqs" in message and "cudagraph_capture_sizes" in message
+    assert ("restart the worker" in message) == (phase == "capture")
     assert backend.decode_entries[8].graph is None and sim.live_graphs == 0
     assert not sim.capturing
     step = buffers.step(8, seed=4)
+    if phase == "capture":
+        with pytest.raises(CaptureError, match="can only captured one by one"):
+            backend(**step)
+        return
     assert paddle.allclose(backend(**step), model.forward(**step)).item()
     assert backend.captures == 1
 

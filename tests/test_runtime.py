@@ -58,6 +58,18 @@ def test_injected_capture_failure_leaves_nothing_alive():
     assert runtime.live_graphs == 0 and not runtime.capturing
 
 
+def test_after_a_failed_capture_no_capture_works_as_on_paddle():
+    runtime = SimulatedRuntime()
+    pool = runtime.new_pool()
+    graph, _ = _captured_double(runtime, pool, paddle.ones([4]))
+    runtime.fail_next_capture(RuntimeError("operation not permitted when stream is capturing"))
+    with pytest.raises(RuntimeError, match="not permitted"):
+        _captured_double(runtime, pool, paddle.ones([4]))
+    with pytest.raises(RuntimeError, match="CUDA Graph can only captured one by one"):
+        _captured_double(runtime, pool, paddle.ones([4]))
+    graph.replay()  # graphs captured earlier still replay
+
+
 def test_cuda_runtime_refuses_cpu_paddle_with_the_fix():
     if paddle.is_compiled_with_cuda():
         pytest.skip("this Paddle has CUDA")

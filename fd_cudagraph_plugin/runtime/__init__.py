@@ -35,8 +35,9 @@ class GraphRuntime(Protocol):
     def capture(self, fn: Callable[[], object], pool: object) -> tuple[Graph, object]:
         """Run ``fn`` under capture into ``pool``; return the graph and what ``fn`` returned.
 
-        On any error the capture is ended and the half-built graph dropped before re-raising,
-        so the caller can retry.
+        On any error the stream capture is ended and the half-built graph dropped before
+        re-raising, so the stream stays usable for eager work. Capturing again may still be
+        impossible: Paddle keeps its capture state open after a failed end of capture.
         """
 
     def synchronize(self) -> None: ...

@@ -13,6 +13,11 @@ What it reproduces of a real CUDA graph, because the backend's correctness depen
   ``live_pools`` to prove nothing leaks. Scratch memory is not modelled: simulated figures count
   output buffers only.
 
+* A failed capture leaves it unable to capture again, as Paddle is: ``cudaStreamEndCapture`` on an
+  invalidated capture throws inside ``EndSegmentCapture`` before the graph is moved out, so
+  ``IsCapturing()`` stays true and every later ``capture_begin`` fails with "CUDA Graph can only
+  captured one by one". Replays of graphs captured earlier still work.
+
 It also lets tests inject a failure into the next capture, as an out-of-memory error would.
 """
 
@@ -87,6 +92,8 @@ class SimulatedRuntime:
         #: whose captured form differs from its eager one (a host value frozen at capture).
         self.replaying = False
         self.empty_cache_calls = 0
+        #: Set by a failed capture: no capture works in this process any more (see above).
+        self.stuck = False
 
     def fail_next_capture(self, error: BaseException) -> None:
         """Make the next capture raise ``error`` after the captured work has run."""
@@ -110,11 +117,19 @@ class SimulatedRuntime:
         return False
 
     def capture(self, fn: Callable[[], object], pool: object) -> tuple[SimulatedGraph, object]:
+        if self.stuck:
+            raise RuntimeError(
+                "(PreconditionNotMet) CUDA Graph can only captured one by one. (simulated: a "
+                "previous capture failed and its capture state never ended)"
+            )
         self.capturing = True
         try:
             outputs = fn()
             if self._failures:
                 raise self._failures.pop(0)
+        except BaseException:
+            self.stuck = True
+            raise
         finally:
             self.capturing = False
         if pool is None:
