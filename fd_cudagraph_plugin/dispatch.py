@@ -100,9 +100,11 @@ class Dispatch:
         tables = self.tables
         if meta.exist_prefill:
             if settings.static_split:
-                if not 0 < tokens < len(tables.prefill_for_tokens):
-                    return self._eager("oversized_prefill", tokens, kwargs, static=True)
-                return self._serve(tables.prefill_for_tokens[tokens], None, tokens, kwargs)
+                if 0 < tokens < len(tables.prefill_for_tokens):
+                    return self._serve(tables.prefill_for_tokens[tokens], None, tokens, kwargs)
+                # No prefill graphs at all (max_capture_shape_prefill: 0) is not oversized.
+                reason = "oversized_prefill" if settings.prefill_sizes else "prefill"
+                return self._eager(reason, tokens, kwargs)
             if not settings.only_prefill:
                 return self._eager("prefill", tokens, kwargs)
             # cudagraph_only_prefill (PD prefill nodes): prefill-only steps are keyed by token

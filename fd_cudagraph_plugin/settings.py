@@ -24,6 +24,9 @@ def _is_int(value: object) -> bool:
 
 
 def _size_list(name: str, value: object, *, required: bool) -> tuple[int, ...]:
+    """Positive sizes, descending and deduplicated. A size 0 is dropped: FastDeploy itself puts
+    one there (2.4 prepends 0 under expert parallelism; ``max_capture_shape_prefill: 0`` leaves
+    a prefill list of [0]), and a 0-token step needs no graph."""
     if value is None and not required:
         return ()
     if not isinstance(value, (list, tuple)) or (required and not value):
@@ -31,13 +34,20 @@ def _size_list(name: str, value: object, *, required: bool) -> tuple[int, ...]:
             f"{name} must be a non-empty list of positive integers; got {value!r}. "
             f'{_GRAPH_CONFIG_FIX}, e.g. "{name.split(".")[-1]}": [1, 2, 4, 8].'
         )
-    bad = [v for v in value if not _is_int(v) or v <= 0]
+    bad = [v for v in value if not _is_int(v) or v < 0]
     if bad:
         raise ConfigError(
             f"{name} must be positive integers; got {list(value)!r} (bad: {bad!r}). "
             f"Remove or correct those entries."
         )
-    return tuple(sorted(set(value), reverse=True))
+    sizes = tuple(sorted({v for v in value if v}, reverse=True))
+    if required and not sizes:
+        raise ConfigError(
+            f"{name} holds no size above 0; got {list(value)!r}. {_GRAPH_CONFIG_FIX}, e.g. "
+            f'"{name.split(".")[-1]}": [1, 2, 4, 8], or turn CUDA graphs off with '
+            f'"use_cudagraph": false.'
+        )
+    return sizes
 
 
 def _count(name: str, value: object, *, minimum: int, fix: str) -> int:
@@ -46,10 +56,9 @@ def _count(name: str, value: object, *, minimum: int, fix: str) -> int:
     return value
 
 
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false; got {value!r}. {_GRAPH_CONFIG_FIX}.")
-    return value
+def _flag(value: object) -> bool:
+    """FastDeploy reads its boolean settings by truth value and checks none of them; so do we."""
+    return bool(value)
 
 
 def _method_name(method: object) -> str | None:
@@ -129,23 +138,25 @@ class Settings:
             getattr(graph, "cudagraph_capture_sizes_prefill", None),
             required=False,
         )
-        warmups = _count(
-            "graph_opt_config.cudagraph_num_of_warmups",
-            getattr(graph, "cudagraph_num_of_warmups", 2),
-            minimum=0,
-            fix=f"Use 0 or more; FastDeploy's default is 2. {_GRAPH_CONFIG_FIX}.",
-        )
+        warmups = getattr(graph, "cudagraph_num_of_warmups", 2)
+        if not _is_int(warmups):
+            raise ConfigError(
+                f"graph_opt_config.cudagraph_num_of_warmups must be an integer; got {warmups!r}. "
+                f"Use 0 or more; FastDeploy's default is 2. {_GRAPH_CONFIG_FIX}."
+            )
+        warmups = max(warmups, 0)  # FastDeploy runs range(n) warm-ups: none for n < 0
         level = getattr(graph, "graph_opt_level", 0)
-        if level not in (0, 1, 2) or not _is_int(level):
+        if isinstance(level, bool) or level not in (0, 1, 2):
             raise ConfigError(
                 f"graph_opt_config.graph_opt_level must be 0, 1 or 2; got {level!r}. "
                 f"{_GRAPH_CONFIG_FIX}."
             )
+        level = int(level)
         max_prefill = _count(
             "graph_opt_config.max_capture_shape_prefill",
-            getattr(graph, "max_capture_shape_prefill", max(prefill, default=1)),
-            minimum=1,
-            fix=f"{_GRAPH_CONFIG_FIX}.",
+            getattr(graph, "max_capture_shape_prefill", max(prefill, default=0)),
+            minimum=0,
+            fix=f"0 captures no prefill graph. {_GRAPH_CONFIG_FIX}.",
         )
 
         spec = getattr(fd_config, "speculative_config", None)
@@ -183,18 +194,10 @@ class Settings:
             prefill_sizes=prefill,
             num_warmups=warmups,
             graph_opt_level=level,
-            full_cuda_graph=_flag(
-                "graph_opt_config.full_cuda_graph", getattr(graph, "full_cuda_graph", True)
-            ),
-            only_prefill=_flag(
-                "graph_opt_config.cudagraph_only_prefill",
-                getattr(graph, "cudagraph_only_prefill", False),
-            ),
+            full_cuda_graph=_flag(getattr(graph, "full_cuda_graph", True)),
+            only_prefill=_flag(getattr(graph, "cudagraph_only_prefill", False)),
             max_capture_shape_prefill=max_prefill,
-            use_unique_memory_pool=_flag(
-                "graph_opt_config.use_unique_memory_pool",
-                getattr(graph, "use_unique_memory_pool", True),
-            ),
+            use_unique_memory_pool=_flag(getattr(graph, "use_unique_memory_pool", True)),
             speculative_method=method,
             num_speculative_tokens=k,
             max_num_seqs=max_num_seqs,

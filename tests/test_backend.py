@@ -273,3 +273,16 @@ def test_speculative_steps_are_served_from_the_running_request_table(sim):
     assert stats["replays"] == {2: 2, 4: 3, 8: 3}
     assert stats["padded_tokens_per_size"] == {2: 1, 4: 1, 8: 5}
     assert backend.observed_keys() == {1: 2, 2: 4, 3: 1, 4: 1}
+
+
+def test_a_zero_token_speculative_step_runs_eagerly_instead_of_replaying_the_smallest_graph(sim):
+    config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    backend, _ = build(config)
+    buffers = Buffers()
+    capture_speculative(backend, buffers)
+    replays = backend.stats()["replays"]
+    step = buffers.step(0)
+    step["forward_meta"].real_bsz = 0
+    assert backend(**step).shape[0] == 0
+    assert backend.stats()["replays"] == replays
+    assert backend.stats()["eager_fallbacks"] == {"zero_tokens": 1}

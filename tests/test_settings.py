@@ -23,7 +23,7 @@ def _set(path: str, value):
 
 
 BAD_CONFIG = [
-    ("graph_opt_config.cudagraph_capture_sizes", [0, 8], "positive integers"),
+    ("graph_opt_config.cudagraph_capture_sizes", [0], "no size above 0"),
     ("graph_opt_config.cudagraph_capture_sizes", [-4], "positive integers"),
     ("graph_opt_config.cudagraph_capture_sizes", [1.5, 4], "positive integers"),
     ("graph_opt_config.cudagraph_capture_sizes", ["8"], "positive integers"),
@@ -31,16 +31,11 @@ BAD_CONFIG = [
     ("graph_opt_config.cudagraph_capture_sizes", [], "non-empty list"),
     ("graph_opt_config.cudagraph_capture_sizes", None, "non-empty list"),
     ("graph_opt_config.cudagraph_capture_sizes", "1,2,4", "non-empty list"),
-    ("graph_opt_config.cudagraph_capture_sizes_prefill", [0], "positive integers"),
-    ("graph_opt_config.cudagraph_num_of_warmups", -1, "integer >= 0"),
-    ("graph_opt_config.cudagraph_num_of_warmups", 1.5, "integer >= 0"),
-    ("graph_opt_config.cudagraph_num_of_warmups", "2", "integer >= 0"),
+    ("graph_opt_config.cudagraph_num_of_warmups", 1.5, "must be an integer"),
+    ("graph_opt_config.cudagraph_num_of_warmups", "2", "must be an integer"),
+    ("graph_opt_config.max_capture_shape_prefill", -1, "integer >= 0"),
     ("graph_opt_config.graph_opt_level", 3, "must be 0, 1 or 2"),
     ("graph_opt_config.graph_opt_level", "1", "must be 0, 1 or 2"),
-    ("graph_opt_config.full_cuda_graph", "yes", "true or false"),
-    ("graph_opt_config.use_unique_memory_pool", 1, "true or false"),
-    ("graph_opt_config.cudagraph_only_prefill", None, "true or false"),
-    ("graph_opt_config.max_capture_shape_prefill", 0, "integer >= 1"),
     ("graph_opt_config.real_bsz_to_captured_size", {"a": 2}, "non-integer entry"),
     ("graph_opt_config.real_bsz_to_captured_size", [1, 2], "must be a dict"),
     ("scheduler_config.max_num_seqs", 0, "integer >= 1"),
@@ -158,3 +153,48 @@ def test_option_values_are_case_insensitive(monkeypatch, value):
     monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", value)
     expected = {"always": 1, "sampled:4": 4, "off": 0}[value.lower()]
     assert PluginOptions.from_env().check_addresses == expected
+
+
+# What FastDeploy itself accepts and serves must not stop the plugin (develop and 2.6 config.py:
+# no type checks on the flags, warm-ups run as range(n), a 0 size from 2.4's expert parallelism
+# or from max_capture_shape_prefill: 0).
+ACCEPTED = [
+    ("graph_opt_config.max_capture_shape_prefill", 0, "max_capture_shape_prefill", 0),
+    ("graph_opt_config.cudagraph_capture_sizes_prefill", [0], "prefill_sizes", ()),
+    ("graph_opt_config.cudagraph_capture_sizes_prefill", [], "prefill_sizes", ()),
+    ("graph_opt_config.cudagraph_capture_sizes", [0, 8, 4], "capture_sizes", (8, 4)),
+    ("graph_opt_config.cudagraph_num_of_warmups", -1, "num_warmups", 0),
+    ("graph_opt_config.full_cuda_graph", 1, "full_cuda_graph", True),
+    ("graph_opt_config.use_unique_memory_pool", 0, "use_unique_memory_pool", False),
+    ("graph_opt_config.cudagraph_only_prefill", None, "only_prefill", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "field", "expected"), ACCEPTED, ids=[f"{k}={v!r}" for k, v, _, _ in ACCEPTED]
+)
+def test_what_fastdeploy_accepts_is_accepted(key, value, field, expected):
+    config = make_config(8)
+    _set(key, value)(config)
+    assert getattr(Settings.from_fd_config(config), field) == expected
+
+
+def test_static_split_without_prefill_graphs_serves_prefill_eagerly_without_a_warning(sim, caplog):
+    import logging
+
+    from conftest import Buffers, TinyBackbone
+
+    from fd_cudagraph_plugin.backend import CudaGraphBackend
+
+    config = make_config(8, graph_opt_level=1, full_cuda_graph=False)
+    _set("graph_opt_config.max_capture_shape_prefill", 0)(config)
+    _set("graph_opt_config.cudagraph_capture_sizes_prefill", [0])(config)
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    step = Buffers().step(5)
+    step["forward_meta"].exist_prefill = True
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        out = backend(**step)
+    assert out.shape[0] == 5 and backend.stats()["eager_fallbacks"] == {"prefill": 1}
+    assert backend.expected_entries() == list(backend.decode_entries.values())
+    assert not caplog.records
