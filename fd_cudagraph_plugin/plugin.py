@@ -24,6 +24,11 @@ ENTRY_POINT_NAME = "fd_cudagraph_plugin"
 _BACKEND_MODULE = "fastdeploy.model_executor.graph_optimization.graph_optimization_backend"
 _NATIVE_MODULE = "fastdeploy.model_executor.graph_optimization.cudagraph_piecewise_backend"
 _NAME = "CudaGraphPiecewiseBackend"
+_FORWARD_META_MODULE = "fastdeploy.model_executor.forward_meta"
+#: ForwardMeta fields the backend reads that older releases lack (2.4: both; 2.5: real_bsz), with
+#: the value that means the same there: 2.4 routes only decode steps to the backend, and 0
+#: running requests makes the backend count them from seq_lens_this_time, as 2.5's own does.
+FORWARD_META_DEFAULTS = {"exist_prefill": False, "real_bsz": 0}
 OPTION_PREFIX = "FD_CUDAGRAPH_"
 
 _logged = False
@@ -67,6 +72,9 @@ def _log_to_fastdeploy() -> None:
     if target is logger or not target.handlers:
         return
     logger.addHandler(_ToFastDeploy(target))
+    # FastDeploy's file loggers ("legacy.<name>") propagate to the root logger themselves; ours
+    # propagating too would print every record twice wherever root has a handler.
+    logger.propagate = False
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
 
@@ -94,6 +102,7 @@ def register() -> None:
 
     from fd_cudagraph_plugin.backend import CudaGraphBackend
 
+    backfill_forward_meta(importlib.import_module(_FORWARD_META_MODULE).ForwardMeta)
     native = getattr(backend_module, _NAME, None)
     if native is not CudaGraphBackend:
         backend_module._fd_cudagraph_native_backend = native
@@ -127,6 +136,16 @@ def _log_unknown_options() -> None:
             "unset them.",
             ", ".join(hints),
         )
+
+
+def backfill_forward_meta(cls: type) -> list[str]:
+    """Give ``ForwardMeta`` class-level defaults for the fields its release lacks, so the replay
+    path reads plain attributes on every release; return the names added. Fields the class has
+    (as dataclass defaults, on 2.5+) are left alone."""
+    added = [name for name in FORWARD_META_DEFAULTS if not hasattr(cls, name)]
+    for name in added:
+        setattr(cls, name, FORWARD_META_DEFAULTS[name])
+    return added
 
 
 def fastdeploy_version() -> str:

@@ -139,6 +139,7 @@ def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
         for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
             ours.removeHandler(handler)
         ours.setLevel(logging.NOTSET)
+        ours.propagate = True
 
 
 def test_any_bad_option_stops_register_with_the_fix(monkeypatch):
@@ -159,3 +160,69 @@ def test_unknown_option_is_logged_once_at_register_with_the_closest_name(monkeyp
         "fd-cudagraph-plugin ignores FD_CUDAGRAPH_BACKNED (did you mean FD_CUDAGRAPH_BACKEND?): "
         "set but not options of this plugin; rename or unset them."
     ]
+
+
+def test_each_record_reaches_the_console_once_when_fastdeploys_logger_propagates(monkeypatch, sim):
+    import fastdeploy.utils
+
+    # FastDeploy's get_logger(name, file) logger: file handlers, and it propagates to root.
+    fastdeploy_file, console = [], []
+
+    class Collect(logging.Handler):
+        def __init__(self, into):
+            super().__init__()
+            self.into = into
+
+        def emit(self, record):
+            self.into.append(record.getMessage())
+
+    target = logging.getLogger("legacy.fd_cudagraph_plugin_for_test")
+    target.addHandler(Collect(fastdeploy_file))
+    monkeypatch.setattr(fastdeploy.utils, "get_logger", lambda name, file_name=None: target)
+    root_handler = Collect(console)
+    logging.getLogger().addHandler(root_handler)
+    ours = logging.getLogger("fd_cudagraph_plugin")
+    try:
+        plugin.register()
+        ours.warning("one line, please")
+        assert fastdeploy_file.count("one line, please") == 1
+        assert console.count("one line, please") == 1
+    finally:
+        logging.getLogger().removeHandler(root_handler)
+        for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
+            ours.removeHandler(handler)
+        ours.setLevel(logging.NOTSET)
+        ours.propagate = True
+
+
+def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim):
+    from dataclasses import dataclass
+
+    from conftest import Buffers, TinyBackbone, capture_speculative
+
+    from fd_cudagraph_plugin.backend import CudaGraphBackend
+
+    @dataclass
+    class ForwardMeta24:  # FastDeploy 2.4: no exist_prefill, no real_bsz
+        ids_remove_padding: object
+        step_use_cudagraph: bool = False
+        seq_lens_this_time: object = None
+
+    assert plugin.backfill_forward_meta(ForwardMeta24) == ["exist_prefill", "real_bsz"]
+    assert plugin.backfill_forward_meta(ForwardMeta24) == []
+    model = TinyBackbone()
+    for speculative in (None, {"method": "mtp", "num_speculative_tokens": 1}):
+        config = make_config(4, speculative=speculative)
+        backend = CudaGraphBackend(
+            fd_config=config, dy_runnable=model.forward, runnable=model.forward
+        )
+        buffers = Buffers()
+        if speculative:
+            capture_speculative(backend, buffers)
+        else:
+            for size in backend.cudagraph_capture_sizes:
+                backend(**buffers.step(size))
+        view = buffers.step(3)["ids_remove_padding"]
+        lens = paddle.to_tensor([2, 1, 0, 0], dtype="int32")
+        meta = ForwardMeta24(view, True, seq_lens_this_time=lens)
+        assert backend(ids_remove_padding=view, forward_meta=meta).shape[0] == 4
