@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fd_cudagraph_plugin import allreduce, session, stats
-from fd_cudagraph_plugin.capture import Capturer
+from fd_cudagraph_plugin.capture import Capturer, mark_warmed
 from fd_cudagraph_plugin.dispatch import Dispatch
-from fd_cudagraph_plugin.entries import DECODE, Counts, GraphEntry, Tables
+from fd_cudagraph_plugin.entries import DECODE, PREFILL, Counts, GraphEntry, Tables
 from fd_cudagraph_plugin.errors import CaptureIncompleteError, ConfigError
+from fd_cudagraph_plugin.memory import pool_policy
 from fd_cudagraph_plugin.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.settings import Settings
 
@@ -62,12 +63,15 @@ class CudaGraphBackend(Dispatch):
             from fd_cudagraph_plugin.static import StaticGraphDriver
 
             self._static = StaticGraphDriver()
-        self.capturer = Capturer(settings, self.runtime, _pool_policy(settings), self._static)
+        self.capturer = Capturer(settings, self.runtime, pool_policy(settings), self._static)
         self._by_running = settings.speculative
         self._set_tables(Tables(settings), Counts(settings))
         self._guard_every = options.check_addresses
         self._warned: set[tuple[str, int]] = set()
         self._saw_only_prefill_step = False
+        #: Static full mode: "static" (Paddle graphs decode) or "dynamic" (the plugin does),
+        #: decided at the first decode capture (see _static_decode); None until then.
+        self._static_full_decode: str | None = None
         self.capture_report: session.CaptureReport | None = None
         self._stats_file = None
         if options.stats_file:
@@ -141,12 +145,15 @@ class CudaGraphBackend(Dispatch):
     # ------------------------------------------------------------------ capture
 
     def _capture_and_run(
-        self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict, static: bool
+        self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict
     ) -> Any:
         current = session.active()
         if current is None and session.sessions_ended():
             # After capture_model(): a capture on this rank alone would hang tensor parallelism.
-            return self._eager("late_capture", tokens, kwargs, static, key)
+            return self._eager("late_capture", tokens, kwargs, key)
+        static = entry.phase == PREFILL or (
+            self.settings.static_full and self._static_decode(kwargs)
+        )
         runnable = self.runnable if static else self.dy_runnable
         if current is not None and current.warm_only:
             return self.capturer.warm_only(self, entry, runnable, kwargs, current)
@@ -156,9 +163,33 @@ class CudaGraphBackend(Dispatch):
             if self.settings.options.self_check != "off":
                 self._self_check(entry, kwargs)
         if entry.disabled:
-            return self._eager("self_check_failed", tokens, kwargs, static, key)
+            return self._eager("self_check_failed", tokens, kwargs, key)
         # The capturing call returns real outputs too; it ran on the captured inputs.
         return self._run_graph(entry, key, tokens, kwargs)
+
+    def _static_decode(self, kwargs: dict) -> bool:
+        """Static full mode: can Paddle graph decode inside the SOT-translated program? Decided
+        once, at the first decode capture, by running that program once. FastDeploy's
+        apply_to_static_optimization raises for a model SOT cannot translate whole ("Model has
+        breakgraph", "multiple generated code") though it serves fine eagerly; such a model's
+        decode graphs are then captured by the plugin from dy_runnable, as in dynamic mode."""
+        if self._static_full_decode is None:
+            try:
+                self.runnable(**kwargs)
+                mark_warmed()
+                self._static_full_decode = "static"
+            except Exception as error:
+                self._static_full_decode = "dynamic"
+                logger.warning(
+                    "CUDA graph backend %#x (%s), static full mode: the static program failed "
+                    "(%s: %s), so decode graphs are captured from the dygraph model instead, as in "
+                    "dynamic mode. Prefill still runs eagerly, as FastDeploy runs it in this mode.",
+                    id(self),
+                    self.role,
+                    type(error).__name__,
+                    error,
+                )
+        return self._static_full_decode == "static"
 
     def _self_check(self, entry: GraphEntry, kwargs: dict) -> None:
         from fd_cudagraph_plugin import guards
@@ -257,29 +288,5 @@ class CudaGraphBackend(Dispatch):
             "graph_bytes_total": sum(e.graph_bytes for e in captured),
             "largest_graph_bytes": max((e.graph_bytes for e in captured), default=0),
             "pool_policy": self.pool_policy,
+            "static_full_decode": self._static_full_decode,
         }
-
-
-#: Speculative methods without a draft model: one backend per process, nothing to share a pool with.
-_NO_DRAFT_MODEL = (None, "ngram", "naive")
-
-
-def _pool_policy(settings: Settings) -> str:
-    options = settings.options
-    if options.pool == "device" and settings.speculative_method not in _NO_DRAFT_MODEL:
-        raise ConfigError(
-            f"FD_CUDAGRAPH_POOL=device cannot be used with speculative method "
-            f"{settings.speculative_method!r}: the draft model's graphs would share the target's "
-            f"pool, so a draft replay may overwrite target outputs still in use, and /v1/sleep, "
-            f"which clears the target only, would free nothing. Unset FD_CUDAGRAPH_POOL (one pool "
-            f"per backend)."
-        )
-    if options.pool_set or settings.use_unique_memory_pool:
-        return options.pool
-    logger.warning(
-        "use_unique_memory_pool=false: every CUDA graph gets a private memory pool, so each "
-        "pays for its own scratch memory (36 sizes of a toy decoder took 912 MiB this way "
-        "against 132 MiB in one shared pool). Unset it, or set FD_CUDAGRAPH_POOL=instance, to "
-        "share one pool per backend."
-    )
-    return "graph"

@@ -148,15 +148,14 @@ class Dispatch:
 
     def _serve(self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict) -> Any:
         """``key``: the decode key to count the step under; None to count it by token count."""
-        static = entry.phase == PREFILL or self.settings.static_full
         if entry.disabled:
-            return self._eager("self_check_failed", tokens, kwargs, static, key)
+            return self._eager("self_check_failed", tokens, kwargs, key)
         if entry.captured:
             return self._run_graph(entry, key, tokens, kwargs)
         if entry.size != tokens:
             # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
-            return self._eager("not_captured", tokens, kwargs, static, key)
-        return self._capture_and_run(entry, key, tokens, kwargs, static)
+            return self._eager("not_captured", tokens, kwargs, key)
+        return self._capture_and_run(entry, key, tokens, kwargs)
 
     def _run_graph(self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict) -> Any:
         """Replay ``entry`` for a step of ``tokens`` tokens, counted under ``key``."""
@@ -178,12 +177,9 @@ class Dispatch:
         entry.replay()
         return entry.result
 
-    def _eager(
-        self, reason: str, tokens: int, kwargs: dict, static: bool = False, key: int | None = None
-    ) -> Any:
-        """Run the step without a graph: ``dy_runnable``, or for a static entry the static
-        program with CUDA graphs off (the driver turns REPLAY of an uncaptured key into DISABLE).
-        ``key``: a decode step's key, counted as observed."""
+    def _eager(self, reason: str, tokens: int, kwargs: dict, key: int | None = None) -> Any:
+        """Run the step without a graph through ``dy_runnable``, as FastDeploy runs every step it
+        does not graph. ``key``: a decode step's key, counted as observed."""
         counts = self.counts
         counts.fallbacks[reason] += 1
         if key is not None:
@@ -203,11 +199,9 @@ class Dispatch:
                 "prefill" if reason == "oversized_prefill" else "decode",
                 limit,
             )
-        if static and self._static is not None:
-            return self._static.replay(self.runnable, kwargs, 0)
         return self.dy_runnable(**kwargs)
 
     def _capture_and_run(
-        self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict, static: bool
+        self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict
     ) -> Any:
         raise NotImplementedError

@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import weakref
 
+from fd_cudagraph_plugin.errors import ConfigError
 from fd_cudagraph_plugin.runtime import GraphRuntime
+from fd_cudagraph_plugin.settings import Settings
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -69,3 +71,29 @@ def pools_for(runtime: GraphRuntime) -> PoolManager:
     if manager is None:
         manager = _MANAGERS[runtime] = PoolManager(runtime)
     return manager
+
+
+#: Speculative methods without a draft model: one backend per process, nothing to share a pool with.
+_NO_DRAFT_MODEL = (None, "ngram", "naive")
+
+
+def pool_policy(settings: Settings) -> str:
+    """The policy for one backend: ``FD_CUDAGRAPH_POOL``, else FastDeploy's setting."""
+    options = settings.options
+    if options.pool == "device" and settings.speculative_method not in _NO_DRAFT_MODEL:
+        raise ConfigError(
+            f"FD_CUDAGRAPH_POOL=device cannot be used with speculative method "
+            f"{settings.speculative_method!r}: the draft model's graphs would share the target's "
+            f"pool, so a draft replay may overwrite target outputs still in use, and /v1/sleep, "
+            f"which clears the target only, would free nothing. Unset FD_CUDAGRAPH_POOL (one pool "
+            f"per backend)."
+        )
+    if options.pool_set or settings.use_unique_memory_pool:
+        return options.pool
+    logger.warning(
+        "use_unique_memory_pool=false: every CUDA graph gets a private memory pool, so each "
+        "pays for its own scratch memory (36 sizes of a toy decoder took 912 MiB this way "
+        "against 132 MiB in one shared pool). Unset it, or set FD_CUDAGRAPH_POOL=instance, to "
+        "share one pool per backend."
+    )
+    return "graph"

@@ -8,6 +8,7 @@ partial programs really received.
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import paddle
@@ -244,24 +245,43 @@ def test_failure_in_warmup_or_capture_is_reported_and_only_a_warmup_can_be_retri
     assert backend.captures == 1
 
 
-def test_static_capture_failure_leaves_the_size_uncaptured(sim, partial_program_calls):
-    config = make_config(8, graph_opt_level=1, full_cuda_graph=True)
-    failing = {"on": True}
+def test_static_capture_failure_names_the_static_mode_and_says_to_restart(
+    sim, partial_program_calls
+):
+    config = make_config(8, graph_opt_level=1, full_cuda_graph=True, cudagraph_num_of_warmups=0)
     model = TinyBackbone()
+    calls = {"n": 0}
 
     def runnable(**kwargs):
-        if failing["on"]:
-            raise RuntimeError("op cannot be captured")
+        calls["n"] += 1
+        if calls["n"] == 2:  # the probe and warm-up pass; Paddle's capture then fails
+            raise RuntimeError("operation not permitted when stream is capturing")
         return model.forward(**kwargs)
 
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=runnable)
-    buffers = Buffers()
-    with pytest.raises(CaptureError, match="static mode"):
-        backend(**buffers.step(8))
+    with pytest.raises(CaptureError, match=r"capture failed .*static mode.*restart the worker"):
+        backend(**Buffers().step(8))
     assert not backend.decode_entries[8].captured
-    failing["on"] = False
-    backend(**buffers.step(8))
-    assert backend.decode_entries[8].captured
+    assert backend.stats()["static_full_decode"] == "static"
+
+
+def test_static_full_mode_graphs_decode_itself_when_the_static_program_fails(sim, caplog):
+    config = make_config(8, graph_opt_level=1, full_cuda_graph=True)
+    model = TinyBackbone()
+
+    def runnable(**kwargs):
+        raise RuntimeError("Model has breakgraph, please set env SOT_LOG_LEVEL=3 to check it.")
+
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=runnable)
+    buffers = Buffers()
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        for size in backend.cudagraph_capture_sizes:
+            backend(**buffers.step(size))
+    assert backend.stats()["static_full_decode"] == "dynamic"
+    assert all(entry.graph is not None for entry in backend.decode_entries.values())
+    assert sum("static full mode" in r.getMessage() for r in caplog.records) == 1
+    step = buffers.step(3, seed=2)
+    assert paddle.allclose(backend(**step)[:3], model.forward(**step)).item()
 
 
 def test_zero_token_step_runs_eagerly(sim):
