@@ -24,7 +24,7 @@ from fd_cudagraph_plugin import allreduce, session, stats
 from fd_cudagraph_plugin.capture import Capturer, mark_warmed
 from fd_cudagraph_plugin.dispatch import Dispatch
 from fd_cudagraph_plugin.entries import DECODE, PREFILL, Counts, GraphEntry, Tables
-from fd_cudagraph_plugin.errors import CaptureIncompleteError, ConfigError
+from fd_cudagraph_plugin.errors import CaptureIncompleteError, ConfigError, SelfCheckError
 from fd_cudagraph_plugin.memory import pool_policy
 from fd_cudagraph_plugin.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.settings import Settings
@@ -168,26 +168,21 @@ class CudaGraphBackend(Dispatch):
         return self._run_graph(entry, key, tokens, kwargs)
 
     def _static_decode(self, kwargs: dict) -> bool:
-        """Static full mode: can Paddle graph decode inside the SOT-translated program? Decided
-        once, at the first decode capture, by running that program once. FastDeploy's
-        apply_to_static_optimization raises for a model SOT cannot translate whole ("Model has
-        breakgraph", "multiple generated code") though it serves fine eagerly; such a model's
-        decode graphs are then captured by the plugin from dy_runnable, as in dynamic mode."""
+        """Static full mode: does Paddle graph decode inside the SOT-translated program, or
+        (where that program fails) the plugin from dy_runnable? Decided once (see static.py)."""
         if self._static_full_decode is None:
-            try:
-                self.runnable(**kwargs)
-                mark_warmed()
-                self._static_full_decode = "static"
-            except Exception as error:
-                self._static_full_decode = "dynamic"
+            failure = self._static.probe(self.runnable, kwargs)
+            self._static_full_decode = "static" if failure is None else "dynamic"
+            if failure is None:
+                mark_warmed()  # it ran the model: no cold capture follows
+            else:
                 logger.warning(
                     "CUDA graph backend %#x (%s), static full mode: the static program failed "
-                    "(%s: %s), so decode graphs are captured from the dygraph model instead, as in "
-                    "dynamic mode. Prefill still runs eagerly, as FastDeploy runs it in this mode.",
+                    "(%s), so decode graphs are captured from the dygraph model instead, as in "
+                    "dynamic mode.",
                     id(self),
                     self.role,
-                    type(error).__name__,
-                    error,
+                    failure,
                 )
         return self._static_full_decode == "static"
 
@@ -197,16 +192,27 @@ class CudaGraphBackend(Dispatch):
         message = guards.self_check(entry, lambda: self.dy_runnable(**kwargs))
         if message is None:
             return
+        current = session.active()
+        if current is not None:
+            # Every tensor-parallel rank must act alike: the session shares the verdicts at its
+            # end and then raises, or disables the failing sizes, on every rank.
+            current.self_check_failed(self, entry.phase, entry.size, message)
+            return
         if self.settings.options.self_check == "error":
-            raise guards.SelfCheckError(message + " (FD_CUDAGRAPH_SELF_CHECK=error)")
+            raise SelfCheckError(message + " (FD_CUDAGRAPH_SELF_CHECK=error)")
         if self.settings.tp_size > 1:
-            # Serving one size eagerly on this rank while the others replay would desynchronise
-            # the tensor-parallel all-reduces; stop instead.
-            raise guards.SelfCheckError(
+            # Outside a session there is no exchange: serving one size eagerly on this rank
+            # while the others replay would desynchronise the tensor-parallel all-reduces.
+            raise SelfCheckError(
                 message + " FD_CUDAGRAPH_SELF_CHECK=warn cannot serve a size eagerly on one "
                 "tensor-parallel rank alone; fix the op or trim the size on every rank."
             )
         logger.warning("%s This size is served eagerly from now on.", message)
+        self.disable_graph(entry.phase, entry.size)
+
+    def disable_graph(self, phase: str, size: int) -> None:
+        """Serve ``size`` eagerly from now on (a failed self-check, here or on another rank)."""
+        entry = (self.tables.decode if phase == DECODE else self.tables.prefill)[size]
         entry.disabled = True
         self.tables.publish(entry)
 

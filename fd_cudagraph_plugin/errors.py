@@ -33,3 +33,11 @@ class RankMismatchError(CudaGraphPluginError, RuntimeError):
 
 class TraceError(CudaGraphPluginError, ValueError):
     """A trace or stats file given to ``fd-cudagraph tune`` is unreadable; names file and line."""
+
+
+class AddressGuardError(CudaGraphPluginError, RuntimeError):
+    """A graph input now lives at another address than at capture."""
+
+
+class SelfCheckError(CudaGraphPluginError, RuntimeError):
+    """A replay disagreed with eager on the same inputs (``FD_CUDAGRAPH_SELF_CHECK``)."""

@@ -15,15 +15,15 @@ from typing import Any
 
 import paddle
 
-from fd_cudagraph_plugin.errors import CudaGraphPluginError
+from fd_cudagraph_plugin.errors import AddressGuardError, SelfCheckError
 
-
-class AddressGuardError(CudaGraphPluginError, RuntimeError):
-    """A graph input now lives at another address than at capture."""
-
-
-class SelfCheckError(CudaGraphPluginError, RuntimeError):
-    """A replay disagreed with eager on the same inputs."""
+__all__ = [
+    "AddressGuardError",
+    "SelfCheckError",
+    "check_addresses",
+    "input_addresses",
+    "self_check",
+]
 
 
 def _tensors(name: str, value: Any) -> Iterator[tuple[str, paddle.Tensor]]:

@@ -123,6 +123,9 @@ class Member(Protocol):
     def graphs_expected(self, phase: str) -> int:
         """How many graphs of ``phase`` this backend captures in a full session."""
 
+    def disable_graph(self, phase: str, size: int) -> None:
+        """Serve ``size`` eagerly from now on: its self-check failed on some rank."""
+
 
 class PlanExchange(Protocol):
     """Gathers one object from every tensor-parallel rank, in rank order."""
@@ -208,6 +211,7 @@ class CaptureSession:
         #: True during the first pass of ``warm_all_first``: warm up, capture nothing.
         self.warm_only = False
         self._warmed: dict[tuple[int, str, int], int] = {}
+        self._self_check_failures: list[tuple[Member, str, int, str]] = []
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
         self._unfreeze = False
@@ -230,9 +234,47 @@ class CaptureSession:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._close()
+        try:
+            if exc_type is None:
+                self._agree_on_self_checks()
+        finally:
+            self._close()
         if exc_type is None:
             self._finish()
+
+    def self_check_failed(self, member: Member, phase: str, size: int, message: str) -> None:
+        """A new graph disagreed with eager; acted on at the end of the session, on every rank."""
+        self._self_check_failures.append((member, phase, size, message))
+
+    def _agree_on_self_checks(self) -> None:
+        """Share every rank's self-check failures over the plan-check group, then act alike:
+        one rank raising while the others block in their next collective would hang them."""
+        if self.options.self_check == "off":
+            return
+        members = stats.live_backends()
+        mine = [
+            (members.index(member), phase, size, message)
+            for member, phase, size, message in self._self_check_failures
+            if member in members
+        ]
+        everyone = self.exchange.all_gather(mine) if self.exchange is not None else [mine]
+        failures = [(rank, *failure) for rank, found in enumerate(everyone) for failure in found]
+        if not failures:
+            return
+        summary = "; ".join(f"rank {rank}: {message}" for rank, _, _, _, message in failures)
+        if self.options.self_check == "error":
+            from fd_cudagraph_plugin.errors import SelfCheckError
+
+            raise SelfCheckError(
+                f"CUDA graph self-check failed ({len(failures)} graph(s), every rank stops): "
+                f"{summary} (FD_CUDAGRAPH_SELF_CHECK=error)"
+            )
+        for index, phase, size in sorted({(i, p, s) for _, i, p, s, _ in failures}):
+            members[index].disable_graph(phase, size)
+        logger.warning(
+            "CUDA graph self-check failed: %s. Every rank serves these sizes eagerly from now on.",
+            summary,
+        )
 
     def note_warmups(self, backend: Member, phase: str, size: int, count: int) -> None:
         """Warm-ups run for one size in the warm-only pass, to report with its capture."""
@@ -278,6 +320,7 @@ class CaptureSession:
             "phase": self.phase,
             "warmup_policy": self.options.warmup,
             "pool": self.options.pool,
+            "self_check": self.options.self_check,
         }
         member: Member
         for index, member in enumerate(stats.live_backends()):

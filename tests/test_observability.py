@@ -15,10 +15,10 @@ from fd_cudagraph_plugin.backend import CudaGraphBackend
 from fd_cudagraph_plugin.guards import AddressGuardError, SelfCheckError
 
 
-def backend_for(model=None, cls=CudaGraphBackend, **graph_args):
+def backend_for(model=None, config=None, **graph_args):
     model = model or TinyBackbone()
-    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], **graph_args)
-    backend = cls(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    config = config or make_config(8, cudagraph_capture_sizes=[4, 2, 1], **graph_args)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     return backend, model
 
 
@@ -246,3 +246,61 @@ def test_self_check_warn_refuses_to_diverge_tensor_parallel_ranks(sim, monkeypat
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     with pytest.raises(SelfCheckError, match="one tensor-parallel rank alone"):
         backend(**Buffers().step(4))
+
+
+class OtherRankFailed:
+    """Two ranks: this one, and rank 1 whose self-check failed at size 2 of backend 0."""
+
+    def __init__(self) -> None:
+        self.gathered: list = []
+
+    def all_gather(self, obj):
+        self.gathered.append(obj)
+        if isinstance(obj, dict):  # the plan check: rank 1 plans the same
+            return [obj, obj]
+        return [obj, [(0, "decode", 2, "CUDA graph self-check failed for decode size 2: (rank 1)")]]
+
+
+@pytest.mark.parametrize("mode", ["warn", "error"])
+def test_tensor_parallel_ranks_agree_on_self_check_verdicts_at_the_end_of_the_session(
+    sim, monkeypatch, mode
+):
+    from fd_cudagraph_plugin import session
+
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", mode)
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
+    backend, _ = backend_for(config=config)
+    exchange = OtherRankFailed()
+    buffers = Buffers()
+    running = session.CaptureSession("decode", fd_config=config, exchange=exchange)
+    if mode == "error":
+        # This rank's graphs are fine, and it stops all the same, as rank 1 does.
+        expected = r"every rank stops\): rank 1: .*size 2"
+        with pytest.raises(SelfCheckError, match=expected), running:
+            capture_all(backend, buffers)
+        return
+    with running:
+        capture_all(backend, buffers)
+        assert not backend.decode_entries[2].disabled  # decided at the end, not mid-session
+    assert exchange.gathered[-1] == []  # this rank's own verdict: nothing failed here
+    assert backend.decode_entries[2].disabled and backend.tables.served[2] is None
+    assert not backend.decode_entries[4].disabled
+    assert backend(**buffers.step(2)).shape[0] == 2  # eager on this rank too
+
+
+def test_a_self_check_failure_on_this_rank_is_shared_not_raised_alone(sim, monkeypatch):
+    from fd_cudagraph_plugin import session
+
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "warn")
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
+    backend, _ = backend_for(FrozenHostValue(sim), config=config)
+    exchange = OtherRankFailed()
+    with session.CaptureSession("decode", fd_config=config, exchange=exchange):
+        capture_all(backend, Buffers())
+    shared = exchange.gathered[-1]
+    assert [(index, phase, size) for index, phase, size, _ in shared] == [
+        (0, "decode", 4),
+        (0, "decode", 2),
+        (0, "decode", 1),
+    ]
+    assert all(entry.disabled for entry in backend.decode_entries.values())
