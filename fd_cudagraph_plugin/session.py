@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -416,10 +417,10 @@ def _wrap(method: Callable, phase: str) -> Callable:
 
 
 def install_runner_hooks() -> bool:
-    """Wrap FastDeploy's capture loops in sessions. Idempotent; False if the runner isn't loaded.
+    """Wrap FastDeploy's capture loops in sessions. Idempotent; False if no runner is loaded.
 
-    ``register()`` runs while ``gpu_model_runner`` is still being imported, so this is called from
-    the first backend's constructor (the memory-profile run, before any capture) instead.
+    ``watch_runner_imports()`` calls this as soon as a runner module has finished importing; each
+    backend's constructor calls it too, for runners imported some other way.
     """
     runners = _loaded_runners()
     for runner in runners:
@@ -428,6 +429,44 @@ def install_runner_hooks() -> bool:
             if method is not None and not hasattr(method, "_fd_cudagraph_original"):
                 setattr(runner, name, _wrap(method, phase))
     return bool(runners)
+
+
+_RUNNER_PACKAGE = "fastdeploy.worker"
+_RUNNER_MODULES = frozenset(module.rpartition(".")[2] for module, _ in _RUNNERS)
+
+
+class _RunnerPackage(types.ModuleType):
+    """``fastdeploy.worker``, told when one of its runner modules has finished executing.
+
+    ``register()`` runs while ``gpu_model_runner`` is still executing (its import of the models
+    package loads the plugins), before ``GPUModelRunner`` exists, so nothing can be wrapped then.
+    The import system binds a submodule on its parent package right after the submodule has
+    executed (the documented "submodules" rule), with ``setattr``, so this is the first moment
+    the class exists, whatever the import order: runner importing the models, or the models
+    imported first and the runner later. A ``sys.meta_path`` finder would see only imports that
+    have not started yet and so miss the in-progress one, the case FastDeploy actually has; the
+    first backend's constructor is too late when that backend is built inside ``capture_model()``.
+    Replacing a module's ``__class__`` by a ``ModuleType`` subclass is the documented way to
+    customise a module; nothing else of the package changes.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _RUNNER_MODULES:
+            install_runner_hooks()
+
+
+def watch_runner_imports() -> None:
+    """Install the runner hooks now, and again whenever a runner module finishes importing."""
+    import importlib
+
+    install_runner_hooks()
+    try:
+        package = importlib.import_module(_RUNNER_PACKAGE)
+    except ImportError:  # a FastDeploy without it: the backends' constructors install the hooks
+        return
+    if type(package) is types.ModuleType:
+        package.__class__ = _RunnerPackage
 
 
 def uninstall_runner_hooks() -> None:

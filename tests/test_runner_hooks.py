@@ -1,0 +1,84 @@
+"""Capture sessions whatever builds the first backend: the hooks follow the runner's import.
+
+A worker whose first backend is built inside ``capture_model()`` (no memory-profile run before it)
+must still capture in a session. Each case runs in a fresh interpreter because what matters is
+the import order of a real worker: FastDeploy loads plugins (so calls ``register()``) while
+``gpu_model_runner`` is still being imported, or before it is imported at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+WORKER = """
+import json, sys
+from pathlib import Path
+tests = Path(sys.argv[1])
+sys.path[:0] = [str(tests), str(tests / "fastdeploy_stub")]
+import importlib
+importlib.import_module(sys.argv[2])  # what the worker imports first loads the plugins
+from conftest import DecoratedBackbone, make_config
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fd_cudagraph_plugin import session
+
+plans = []
+
+class Recorder:
+    def all_gather(self, obj):
+        plans.append(obj)
+        return [obj]
+
+session.exchange_factory = lambda fd_config: Recorder()
+config = make_config(4)
+model = DecoratedBackbone(fd_config=config)
+GPUModelRunner(config, model).capture_model()  # no profile_run: the backend is built here
+backend = model.graph_opt_backend.cudagraph_piecewise_backend
+report = backend.capture_report
+print(json.dumps({
+    "sessions": session.sessions_ended(),
+    "plans": [plan["phase"] for plan in plans],
+    "report_sizes": None if report is None else [r.size for r in report.records],
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    "first_import",
+    [
+        # FastDeploy's order: gpu_model_runner imports the models package, which loads plugins.
+        "fastdeploy.worker.gpu_model_runner",
+        # Plugins loaded before the runner module exists (a loader imported the models first).
+        "fastdeploy.model_executor.models",
+    ],
+)
+def test_first_backend_built_inside_capture_model_still_captures_in_a_session(
+    tmp_path, first_import
+):
+    report_path = tmp_path / "report.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        "FD_PLUGINS": "fd_cudagraph_plugin",
+        "FD_CUDAGRAPH_RUNTIME": "simulated",
+        "FD_CUDAGRAPH_MEMORY_REPORT": str(report_path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, str(TESTS), first_import],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts == {"sessions": 1, "plans": ["decode"], "report_sizes": [4, 2, 1]}
+    assert json.loads(report_path.read_text())["graphs"] == 3
