@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -53,6 +53,42 @@ def output_failed(setting: str, path: str, error: BaseException) -> None:
             type(error).__name__,
             error,
         )
+
+
+class Ranks(Protocol):
+    """Where a process sits in the deployment (``Settings`` is one)."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def output_path(template: str, ranks: Ranks | None = None) -> str:
+    """The file this process writes for FD_CUDAGRAPH_MEMORY_REPORT or FD_CUDAGRAPH_STATS_FILE.
+
+    ``{rank}`` becomes the tensor-parallel rank and ``{dp_rank}`` the data-parallel rank. So that
+    no two workers of a deployment write one file, a placeholder the deployment needs (``{rank}``
+    when TP > 1, ``{dp_rank}`` when DP > 1) but the template lacks is added before the extension:
+    ``graphs.json`` becomes ``graphs.dp1.tp0.json``. A single-GPU deployment keeps the path as
+    given. ``ranks`` defaults to those of this process's backends.
+    """
+    if ranks is None:
+        backends = live_backends()
+        if not backends:
+            return template.replace("{rank}", "0").replace("{dp_rank}", "0")
+        ranks = backends[-1].settings  # every backend of a process has the same ranks
+    suffix = ""
+    if ranks.dp_size > 1 and "{dp_rank}" not in template:
+        suffix += f".dp{ranks.dp_rank}"
+    if ranks.tp_size > 1 and "{rank}" not in template:
+        suffix += f".tp{ranks.tp_rank}"
+    path = template.replace("{rank}", str(ranks.tp_rank)).replace("{dp_rank}", str(ranks.dp_rank))
+    if suffix:
+        head, name = os.path.split(path)
+        stem, extension = os.path.splitext(name)
+        path = os.path.join(head, f"{stem}{suffix}{extension}")
+    return path
 
 
 def live_backends() -> list[Any]:
@@ -123,7 +159,7 @@ class StatsFile:
     """
 
     def __init__(self, path: str, settings: Any) -> None:
-        self.path = path.replace("{rank}", str(settings.tp_rank))
+        self.path = output_path(path, settings)
         self.rank = settings.tp_rank
         self.speculative = settings.speculative
         self.method = settings.speculative_method

@@ -1,10 +1,11 @@
-"""Output paths (memory report, stats file): checked at register() and by doctor, and a write
-that fails later never stops serving."""
+"""Output paths (memory report, stats file): checked at register() and by doctor, unique per
+process under tensor and data parallelism, and a write that fails later never stops serving."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,68 @@ from fd_cudagraph_plugin.backend import CudaGraphBackend
 from fd_cudagraph_plugin.errors import ConfigError
 
 PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+
+@pytest.mark.parametrize(
+    ("template", "ranks", "expected"),
+    [
+        ("/r/graphs.json", Ranks(), "/r/graphs.json"),
+        ("/r/graphs-{rank}.json", Ranks(), "/r/graphs-0.json"),
+        ("/r/graphs-{rank}.json", Ranks(tp_rank=1, tp_size=2), "/r/graphs-1.json"),
+        ("/r/graphs.json", Ranks(tp_rank=1, tp_size=2), "/r/graphs.tp1.json"),
+        # {rank} alone is not enough under DP: replicas share TP rank numbers.
+        ("/r/graphs-{rank}.json", Ranks(1, 2, 3, 4), "/r/graphs-1.dp3.json"),
+        ("/r/graphs.json", Ranks(1, 2, 3, 4), "/r/graphs.dp3.tp1.json"),
+        ("/r/dp{dp_rank}/graphs-{rank}.json", Ranks(1, 2, 3, 4), "/r/dp3/graphs-1.json"),
+        ("/r/stats-{dp_rank}", Ranks(0, 1, 2, 4), "/r/stats-2"),
+        ("/r/stats", Ranks(0, 1, 2, 4), "/r/stats.dp2"),
+    ],
+)
+def test_output_path_is_unique_per_process_of_the_deployment(template, ranks, expected):
+    assert stats.output_path(template, ranks) == expected
+
+
+def test_every_process_of_a_dp_tp_deployment_gets_its_own_file():
+    deployment = [Ranks(t, 2, d, 4) for d in range(4) for t in range(2)]
+    for template in ("/r/g.json", "/r/g-{rank}.json", "/r/g-{dp_rank}.json"):
+        paths = {stats.output_path(template, ranks) for ranks in deployment}
+        assert len(paths) == len(deployment), template
+
+
+def test_settings_read_fastdeploys_data_parallel_rank(sim):
+    config = make_config(8, tp=2)
+    config.parallel_config.tensor_parallel_rank = 1
+    config.parallel_config.data_parallel_size = 4
+    config.parallel_config.data_parallel_rank = 3
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    settings = backend.settings
+    assert (settings.tp_rank, settings.tp_size, settings.dp_rank, settings.dp_size) == (1, 2, 3, 4)
+
+
+def test_memory_report_and_stats_file_of_a_dp_replica_carry_its_rank(sim, monkeypatch, tmp_path):
+    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", str(tmp_path / "graphs-{rank}.json"))
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(tmp_path / "stats-{dp_rank}.jsonl"))
+    config = make_config(4, cudagraph_capture_sizes=[4, 2, 1])
+    config.parallel_config.data_parallel_size = 2
+    config.parallel_config.data_parallel_rank = 1
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with session.CaptureSession("decode", fd_config=config):
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    backend(**buffers.step(3))
+    backend.flush_stats()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graphs-0.dp1.json", "stats-1.jsonl"]
 
 
 def _bad_paths(tmp_path: Path) -> dict[str, tuple[str, str]]:
