@@ -2,7 +2,7 @@
 
 Nothing here runs on the replay path: the hot path only bumps a per-token-count counter, and all
 figures are derived from those counters when someone asks (``stats()``, the periodic log line,
-the stats file, a Prometheus scrape).
+the stats file, the reporter's Prometheus publish).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 import weakref
 from collections import Counter
 from typing import Any, Protocol
+
+from fd_cudagraph_plugin import metrics
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -210,14 +212,26 @@ def flush_all() -> None:
             output_failures["flush"] += 1
 
 
-#: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0. FastDeploy
-#: stops workers with SIGTERM, which skips ``atexit``, so waiting for exit would lose the file.
+def publish_metrics() -> None:
+    """Copy every live backend's counters into the Prometheus metrics, if they are on. A failure
+    is logged once and counted, never raised: metrics must not stop serving."""
+    if not metrics.enabled():
+        return
+    try:
+        metrics.publish(live_backends(), output_failures)
+    except Exception as error:
+        output_failed("FD_CUDAGRAPH_METRICS", metrics.destination(), error)
+
+
+#: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0 and metrics are
+#: off. FastDeploy stops workers with SIGTERM, which skips ``atexit``, so waiting for exit would
+#: lose the file.
 STATS_FILE_FLUSH_SECONDS = 60.0
 
 
 class _Reporter(threading.Thread):
-    """Every N seconds: flush the stats files, and log a line if ``FD_CUDAGRAPH_STATS_INTERVAL``
-    asked for one."""
+    """Every N seconds: flush the stats files, publish the metrics, and log a line if
+    ``FD_CUDAGRAPH_STATS_INTERVAL`` asked for one."""
 
     def __init__(self, interval: float, log: bool) -> None:
         super().__init__(name="fd-cudagraph-stats", daemon=True)
@@ -228,6 +242,7 @@ class _Reporter(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             flush_all()
+            publish_metrics()
             if self.log:
                 try:
                     self._log_totals()
@@ -250,11 +265,21 @@ class _Reporter(threading.Thread):
         )
 
 
+def reporter_interval(options: Any) -> float:
+    """Seconds between reporter runs: ``FD_CUDAGRAPH_STATS_INTERVAL`` when set, else often
+    enough for Prometheus when metrics are on, else the stats file's flush period; 0 is none."""
+    if options.stats_interval > 0:
+        return options.stats_interval
+    if options.metrics:
+        return metrics.PUBLISH_SECONDS
+    return STATS_FILE_FLUSH_SECONDS if options.stats_file else 0.0
+
+
 def _start_reporter(options: Any) -> None:
     """Start the periodic thread once per process, if the options ask for it."""
     global _reporter
-    if _reporter is None and (options.stats_interval > 0 or options.stats_file):
-        interval = options.stats_interval or STATS_FILE_FLUSH_SECONDS
+    interval = reporter_interval(options)
+    if _reporter is None and interval > 0:
         _reporter = _Reporter(interval, log=options.stats_interval > 0)
         _reporter.start()
 
@@ -270,4 +295,5 @@ def stop_reporter() -> None:
 def _at_exit() -> None:
     stop_reporter()
     flush_all()
+    publish_metrics()
     log_summary("process exit")
