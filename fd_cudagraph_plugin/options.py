@@ -12,6 +12,7 @@ parser all read that declaration.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -47,8 +48,46 @@ def _seconds(text: str) -> float:
     return value
 
 
+#: Placeholders of output paths, expanded per process by ``stats.output_path``.
+PATH_PLACEHOLDERS = ("{rank}", "{dp_rank}")
+
+
 def _path(text: str) -> str:
-    return os.path.expanduser(text)
+    """An output file the plugin can create or append to, checked now rather than after capture.
+
+    Checked as rank 0's path: the directory may be missing (it is created at the first write) as
+    long as its nearest existing ancestor is a directory we can create files in. A probe file
+    is created and removed there because ``os.access`` says yes to root even on ``/proc``.
+    """
+    path = os.path.expanduser(text)
+    probe = path
+    for placeholder in PATH_PLACEHOLDERS:
+        probe = probe.replace(placeholder, "0")
+    if probe.endswith(os.sep):
+        raise ValueError(f"{probe} ends with {os.sep}, so it names a directory; name a file")
+    probe = os.path.abspath(probe)
+    if os.path.isdir(probe):
+        raise ValueError(f"{probe} is a directory; name a file in it, e.g. {probe}/out-{{rank}}")
+    if os.path.exists(probe):
+        # An existing file (or device) is opened for writing later; never open it here: a FIFO
+        # would block.
+        if not os.access(probe, os.W_OK):
+            raise ValueError(f"{probe} exists and is not writable; choose a writable path")
+        return path
+    ancestor = os.path.dirname(probe)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{ancestor} is a file, so no directory can be made below it")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"cannot create files in {ancestor} ({error.strerror or error}); choose a writable "
+            "directory"
+        ) from None
+    return path
 
 
 def _sampling(text: str) -> int:

@@ -298,7 +298,7 @@ class CaptureSession:
             member.capture_report = self.report
         path = self.options.memory_report
         if path:
-            path = path.replace("{rank}", str(self.rank))
+            path = stats.output_path(path)
             try:
                 directory = os.path.dirname(path)
                 if directory:

@@ -86,6 +86,9 @@ class Settings:
     max_num_seqs: int
     tp_size: int
     tp_rank: int
+    #: FastDeploy's ``parallel_config.data_parallel_rank`` (worker index // TP size) and size.
+    dp_rank: int
+    dp_size: int
     custom_allreduce_disabled: bool
     options: PluginOptions
     decode_table: tuple[int, ...] = field(repr=False)
@@ -186,6 +189,11 @@ class Settings:
         )
         tp_rank = getattr(parallel, "tensor_parallel_rank", 0)
         tp_rank = tp_rank if _is_int(tp_rank) and tp_rank >= 0 else 0
+        # 2.4 .. develop all have these two (worker_process.py sets the rank from the worker index).
+        dp_rank = getattr(parallel, "data_parallel_rank", 0)
+        dp_rank = dp_rank if _is_int(dp_rank) and dp_rank >= 0 else 0
+        dp_size = getattr(parallel, "data_parallel_size", 1)
+        dp_size = dp_size if _is_int(dp_size) and dp_size >= 1 else 1
 
         decode_table = padding_table(sizes)
         bsz_table = _bsz_table(getattr(graph, "real_bsz_to_captured_size", None), decode_table)
@@ -203,6 +211,8 @@ class Settings:
             max_num_seqs=max_num_seqs,
             tp_size=tp_size,
             tp_rank=tp_rank,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
             custom_allreduce_disabled=bool(getattr(parallel, "disable_custom_all_reduce", False)),
             options=options,
             decode_table=tuple(decode_table),

@@ -2,7 +2,7 @@
 
 Nothing here runs on the replay path: the hot path only bumps a per-token-count counter, and all
 figures are derived from those counters when someone asks (``stats()``, the periodic log line,
-the stats file, a Prometheus scrape).
+the stats file, the reporter's Prometheus publish).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import threading
 import time
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
+
+from fd_cudagraph_plugin import metrics
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -53,6 +55,42 @@ def output_failed(setting: str, path: str, error: BaseException) -> None:
             type(error).__name__,
             error,
         )
+
+
+class Ranks(Protocol):
+    """Where a process sits in the deployment (``Settings`` is one)."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def output_path(template: str, ranks: Ranks | None = None) -> str:
+    """The file this process writes for FD_CUDAGRAPH_MEMORY_REPORT or FD_CUDAGRAPH_STATS_FILE.
+
+    ``{rank}`` becomes the tensor-parallel rank and ``{dp_rank}`` the data-parallel rank. So that
+    no two workers of a deployment write one file, a placeholder the deployment needs (``{rank}``
+    when TP > 1, ``{dp_rank}`` when DP > 1) but the template lacks is added before the extension:
+    ``graphs.json`` becomes ``graphs.dp1.tp0.json``. A single-GPU deployment keeps the path as
+    given. ``ranks`` defaults to those of this process's backends.
+    """
+    if ranks is None:
+        backends = live_backends()
+        if not backends:
+            return template.replace("{rank}", "0").replace("{dp_rank}", "0")
+        ranks = backends[-1].settings  # every backend of a process has the same ranks
+    suffix = ""
+    if ranks.dp_size > 1 and "{dp_rank}" not in template:
+        suffix += f".dp{ranks.dp_rank}"
+    if ranks.tp_size > 1 and "{rank}" not in template:
+        suffix += f".tp{ranks.tp_rank}"
+    path = template.replace("{rank}", str(ranks.tp_rank)).replace("{dp_rank}", str(ranks.dp_rank))
+    if suffix:
+        head, name = os.path.split(path)
+        stem, extension = os.path.splitext(name)
+        path = os.path.join(head, f"{stem}{suffix}{extension}")
+    return path
 
 
 def live_backends() -> list[Any]:
@@ -123,7 +161,7 @@ class StatsFile:
     """
 
     def __init__(self, path: str, settings: Any) -> None:
-        self.path = path.replace("{rank}", str(settings.tp_rank))
+        self.path = output_path(path, settings)
         self.rank = settings.tp_rank
         self.speculative = settings.speculative
         self.method = settings.speculative_method
@@ -174,14 +212,26 @@ def flush_all() -> None:
             output_failures["flush"] += 1
 
 
-#: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0. FastDeploy
-#: stops workers with SIGTERM, which skips ``atexit``, so waiting for exit would lose the file.
+def publish_metrics() -> None:
+    """Copy every live backend's counters into the Prometheus metrics, if they are on. A failure
+    is logged once and counted, never raised: metrics must not stop serving."""
+    if not metrics.enabled():
+        return
+    try:
+        metrics.publish(live_backends(), output_failures)
+    except Exception as error:
+        output_failed("FD_CUDAGRAPH_METRICS", metrics.destination(), error)
+
+
+#: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0 and metrics are
+#: off. FastDeploy stops workers with SIGTERM, which skips ``atexit``, so waiting for exit would
+#: lose the file.
 STATS_FILE_FLUSH_SECONDS = 60.0
 
 
 class _Reporter(threading.Thread):
-    """Every N seconds: flush the stats files, and log a line if ``FD_CUDAGRAPH_STATS_INTERVAL``
-    asked for one."""
+    """Every N seconds: flush the stats files, publish the metrics, and log a line if
+    ``FD_CUDAGRAPH_STATS_INTERVAL`` asked for one."""
 
     def __init__(self, interval: float, log: bool) -> None:
         super().__init__(name="fd-cudagraph-stats", daemon=True)
@@ -192,6 +242,7 @@ class _Reporter(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             flush_all()
+            publish_metrics()
             if self.log:
                 try:
                     self._log_totals()
@@ -214,11 +265,21 @@ class _Reporter(threading.Thread):
         )
 
 
+def reporter_interval(options: Any) -> float:
+    """Seconds between reporter runs: ``FD_CUDAGRAPH_STATS_INTERVAL`` when set, else often
+    enough for Prometheus when metrics are on, else the stats file's flush period; 0 is none."""
+    if options.stats_interval > 0:
+        return options.stats_interval
+    if options.metrics:
+        return metrics.PUBLISH_SECONDS
+    return STATS_FILE_FLUSH_SECONDS if options.stats_file else 0.0
+
+
 def _start_reporter(options: Any) -> None:
     """Start the periodic thread once per process, if the options ask for it."""
     global _reporter
-    if _reporter is None and (options.stats_interval > 0 or options.stats_file):
-        interval = options.stats_interval or STATS_FILE_FLUSH_SECONDS
+    interval = reporter_interval(options)
+    if _reporter is None and interval > 0:
         _reporter = _Reporter(interval, log=options.stats_interval > 0)
         _reporter.start()
 
@@ -234,4 +295,5 @@ def stop_reporter() -> None:
 def _at_exit() -> None:
     stop_reporter()
     flush_all()
+    publish_metrics()
     log_summary("process exit")

@@ -109,30 +109,6 @@ def test_stats_file_appends_increments_tune_can_sum(sim, monkeypatch, tmp_path):
     assert lines[1]["decode_token_counts"] == {"3": 1}
 
 
-def test_metrics_are_exported_when_enabled_and_absent_otherwise(sim, monkeypatch):
-    prometheus_client = pytest.importorskip("prometheus_client")
-    from fd_cudagraph_plugin import metrics
-
-    backend, _ = backend_for()
-    capture_all(backend, Buffers())
-    assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
-    monkeypatch.setenv("FD_CUDAGRAPH_METRICS", "1")
-    try:
-        enabled, _ = backend_for()
-        capture_all(enabled, Buffers())
-        text = prometheus_client.generate_latest().decode()
-        label = f'backend="{id(enabled):#x}"'
-        assert any(
-            line.startswith("fd_cudagraph_replays_total{") and label in line and 'size="4"' in line
-            for line in text.splitlines()
-        )
-        assert "fd_cudagraph_graph_memory_bytes{" in text
-        assert "fd_cudagraph_captures_total{" in text
-    finally:
-        metrics.disable()
-    assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
-
-
 @pytest.mark.parametrize(("mode", "ok_replays"), [("always", 0), ("sampled:3", 2)])
 def test_address_guard_catches_a_swapped_input(sim, monkeypatch, mode, ok_replays):
     monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", mode)

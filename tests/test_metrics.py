@@ -1,0 +1,193 @@
+"""Prometheus metrics: published by the reporter, never by the replay path, and readable by
+FastDeploy's /metrics through prometheus_client's multiprocess files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Buffers, TinyBackbone, make_config
+
+from fd_cudagraph_plugin import metrics, stats
+from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.options import PluginOptions
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def metrics_on(monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_METRICS", "1")
+    yield
+    metrics.disable()
+
+
+@pytest.fixture
+def failures():
+    saved = stats.output_failures.copy()
+    stats.output_failures.clear()
+    yield stats.output_failures
+    stats.output_failures.clear()
+    stats.output_failures.update(saved)
+
+
+def served_backend():
+    model = TinyBackbone()
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    for tokens in (4, 2, 1, 3, 3, 0):
+        backend(**buffers.step(tokens))
+    return backend, buffers
+
+
+def sample(name, backend, **labels):
+    return prometheus_client.REGISTRY.get_sample_value(
+        name, {"rank": "0", "dp_rank": "0", "role": backend.role, **labels}
+    )
+
+
+def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(tmp_path):
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    worker = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "metrics_worker.py")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == 0, worker.stderr
+    served = json.loads(worker.stdout.splitlines()[-1])
+
+    # What FastDeploy's get_filtered_metrics() does in the API server.
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+    }
+    base = (("dp_rank", "3"), ("rank", "1"), ("role", "target"))
+
+    def value(name, **extra):
+        return found.get((name, tuple(sorted((*base, *extra.items())))))
+
+    assert all(name.startswith("fd_cudagraph_") for name, _ in found)
+    assert value("fd_cudagraph_captures_total") == served["captures"] == 3
+    assert value("fd_cudagraph_padded_tokens_total") == served["padded_tokens"] == 3
+    for size, count in served["replays"].items():
+        assert value("fd_cudagraph_replays_total", size=size) == count
+    assert sum(v for (n, _), v in found.items() if n == "fd_cudagraph_replays_total") == 9
+    for reason, count in served["eager_fallbacks"].items():
+        assert value("fd_cudagraph_eager_fallbacks_total", reason=reason) == count
+    for size, nbytes in served["graph_bytes"].items():
+        assert value("fd_cudagraph_graph_memory_bytes", size=size) == nbytes
+    for size, seconds in served["capture_seconds"].items():
+        assert value("fd_cudagraph_capture_seconds", size=size) == pytest.approx(seconds)
+
+
+def test_without_a_multiprocess_dir_metrics_are_in_the_default_registry(sim, metrics_on):
+    backend, _ = served_backend()
+    stats.publish_metrics()
+    assert sample("fd_cudagraph_replays_total", backend, size="4") == 3  # capture step + 3, 3
+    assert sample("fd_cudagraph_captures_total", backend) == 3
+    assert sample("fd_cudagraph_graph_memory_bytes", backend, size="2") == 64
+    metrics.disable()
+    assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
+
+
+def test_metrics_are_absent_unless_switched_on(sim):
+    served_backend()
+    stats.publish_metrics()
+    assert not metrics.enabled()
+    assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
+
+
+def test_counters_grow_by_the_delta_and_released_graphs_drop_to_zero(sim, metrics_on):
+    backend, buffers = served_backend()
+    metrics.publish([backend], {})
+    metrics.publish([backend], {})  # nothing new: nothing added
+    assert sample("fd_cudagraph_replays_total", backend, size="4") == 3
+    backend(**buffers.step(4))
+    backend.clear_graph()
+    metrics.publish([backend], {})
+    assert sample("fd_cudagraph_replays_total", backend, size="4") == 4
+    assert sample("fd_cudagraph_graph_memory_bytes", backend, size="4") == 0
+    assert sample("fd_cudagraph_eager_fallbacks_total", backend, reason="zero_tokens") == 1
+
+
+def test_replay_path_writes_no_metric(sim, metrics_on):
+    backend, buffers = served_backend()
+    stats.publish_metrics()
+    before = sample("fd_cudagraph_replays_total", backend, size="4")
+    for _ in range(3):
+        backend(**buffers.step(4))
+    assert sample("fd_cudagraph_replays_total", backend, size="4") == before
+    stats.publish_metrics()
+    assert sample("fd_cudagraph_replays_total", backend, size="4") == before + 3
+
+
+def test_output_failures_are_exported(sim, metrics_on, failures):
+    backend, _ = served_backend()
+    stats.output_failed("FD_CUDAGRAPH_STATS_FILE", "/dev/full", OSError(28, "No space left"))
+    metrics.publish([backend], failures)
+    labels = {"rank": "0", "dp_rank": "0", "setting": "FD_CUDAGRAPH_STATS_FILE"}
+    assert (
+        prometheus_client.REGISTRY.get_sample_value("fd_cudagraph_output_failures_total", labels)
+        == 1
+    )
+
+
+def test_a_failing_publish_is_logged_once_counted_and_never_raised(
+    sim, metrics_on, monkeypatch, caplog, failures
+):
+    served_backend()
+
+    def broken(backends, failures):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics, "publish", broken)
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        stats.publish_metrics()
+        stats.publish_metrics()
+    assert failures["FD_CUDAGRAPH_METRICS"] == 2
+    lines = [r.getMessage() for r in caplog.records if "FD_CUDAGRAPH_METRICS" in r.getMessage()]
+    assert len(lines) == 1 and "No space left on device" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("env", "interval"),
+    [
+        ({}, 0.0),
+        ({"FD_CUDAGRAPH_METRICS": "1"}, metrics.PUBLISH_SECONDS),
+        ({"FD_CUDAGRAPH_STATS_FILE": "stats.jsonl"}, stats.STATS_FILE_FLUSH_SECONDS),
+        (
+            {"FD_CUDAGRAPH_METRICS": "1", "FD_CUDAGRAPH_STATS_FILE": "stats.jsonl"},
+            metrics.PUBLISH_SECONDS,
+        ),
+        ({"FD_CUDAGRAPH_METRICS": "1", "FD_CUDAGRAPH_STATS_INTERVAL": "30"}, 30.0),
+    ],
+)
+def test_reporter_interval(env, interval, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert stats.reporter_interval(PluginOptions.from_env(env)) == interval
+
+
+def test_metrics_alone_start_the_reporter(sim, metrics_on):
+    served_backend()
+    assert stats._reporter is not None and stats._reporter.interval == metrics.PUBLISH_SECONDS
+    assert not stats._reporter.log

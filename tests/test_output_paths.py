@@ -1,0 +1,171 @@
+"""Output paths (memory report, stats file): checked at register() and by doctor, unique per
+process under tensor and data parallelism, and a write that fails later never stops serving."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import Buffers, TinyBackbone, make_config
+
+from fd_cudagraph_plugin import doctor, plugin, session, stats
+from fd_cudagraph_plugin.backend import CudaGraphBackend
+from fd_cudagraph_plugin.errors import ConfigError
+
+PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+
+@pytest.mark.parametrize(
+    ("template", "ranks", "expected"),
+    [
+        ("/r/graphs.json", Ranks(), "/r/graphs.json"),
+        ("/r/graphs-{rank}.json", Ranks(), "/r/graphs-0.json"),
+        ("/r/graphs-{rank}.json", Ranks(tp_rank=1, tp_size=2), "/r/graphs-1.json"),
+        ("/r/graphs.json", Ranks(tp_rank=1, tp_size=2), "/r/graphs.tp1.json"),
+        # {rank} alone is not enough under DP: replicas share TP rank numbers.
+        ("/r/graphs-{rank}.json", Ranks(1, 2, 3, 4), "/r/graphs-1.dp3.json"),
+        ("/r/graphs.json", Ranks(1, 2, 3, 4), "/r/graphs.dp3.tp1.json"),
+        ("/r/dp{dp_rank}/graphs-{rank}.json", Ranks(1, 2, 3, 4), "/r/dp3/graphs-1.json"),
+        ("/r/stats-{dp_rank}", Ranks(0, 1, 2, 4), "/r/stats-2"),
+        ("/r/stats", Ranks(0, 1, 2, 4), "/r/stats.dp2"),
+    ],
+)
+def test_output_path_is_unique_per_process_of_the_deployment(template, ranks, expected):
+    assert stats.output_path(template, ranks) == expected
+
+
+def test_every_process_of_a_dp_tp_deployment_gets_its_own_file():
+    deployment = [Ranks(t, 2, d, 4) for d in range(4) for t in range(2)]
+    for template in ("/r/g.json", "/r/g-{rank}.json", "/r/g-{dp_rank}.json"):
+        paths = {stats.output_path(template, ranks) for ranks in deployment}
+        assert len(paths) == len(deployment), template
+
+
+def test_settings_read_fastdeploys_data_parallel_rank(sim):
+    config = make_config(8, tp=2)
+    config.parallel_config.tensor_parallel_rank = 1
+    config.parallel_config.data_parallel_size = 4
+    config.parallel_config.data_parallel_rank = 3
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    settings = backend.settings
+    assert (settings.tp_rank, settings.tp_size, settings.dp_rank, settings.dp_size) == (1, 2, 3, 4)
+
+
+def test_memory_report_and_stats_file_of_a_dp_replica_carry_its_rank(sim, monkeypatch, tmp_path):
+    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", str(tmp_path / "graphs-{rank}.json"))
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(tmp_path / "stats-{dp_rank}.jsonl"))
+    config = make_config(4, cudagraph_capture_sizes=[4, 2, 1])
+    config.parallel_config.data_parallel_size = 2
+    config.parallel_config.data_parallel_rank = 1
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with session.CaptureSession("decode", fd_config=config):
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    backend(**buffers.step(3))
+    backend.flush_stats()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graphs-0.dp1.json", "stats-1.jsonl"]
+
+
+def _bad_paths(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """Case -> (path, what the error says)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    return {
+        "proc": ("/proc/x.json", "cannot create files in /proc"),
+        "directory": (str(tmp_path), "is a directory"),
+        "trailing slash": (str(tmp_path / "new") + "/", "names a directory"),
+        "parent is a file": (str(a_file / "x.json"), f"{a_file} is a file"),
+    }
+
+
+BAD_CASES = ("proc", "directory", "trailing slash", "parent is a file")
+
+
+@pytest.mark.parametrize("option", PATH_OPTIONS)
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_output_path_stops_register_naming_the_variable(monkeypatch, tmp_path, option, case):
+    path, reason = _bad_paths(tmp_path)[case]
+    monkeypatch.setenv(option, path)
+    with pytest.raises(ConfigError, match=rf"^{option}=.*{reason}.*Fix or unset {option}\.$"):
+        plugin.register()
+
+
+@pytest.mark.parametrize("option", PATH_OPTIONS)
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_output_path_fails_doctor_naming_the_variable(tmp_path, option, case):
+    path, reason = _bad_paths(tmp_path)[case]
+    result = doctor.check_options({option: path})
+    assert result.status == doctor.FAIL
+    assert option in result.detail and reason in result.detail
+
+
+@pytest.mark.parametrize("option", PATH_OPTIONS)
+@pytest.mark.parametrize(
+    "relative", ["out.json", "not/yet/made/out-{rank}.json", "dp{dp_rank}/out-{rank}.json"]
+)
+def test_writable_output_paths_pass_and_nothing_is_left_behind(tmp_path, option, relative):
+    assert doctor.check_options({option: str(tmp_path / relative)}).status == doctor.OK
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def failures():
+    """``stats.output_failures`` as this test leaves it, without other tests' counts."""
+    saved = stats.output_failures.copy()
+    stats.output_failures.clear()
+    yield stats.output_failures
+    stats.output_failures.clear()
+    stats.output_failures.update(saved)
+
+
+def test_full_disk_stats_file_is_logged_once_and_clear_graph_still_releases(
+    sim, monkeypatch, caplog, failures
+):
+    # /dev/full passes the checks (it is a writable file) and fails every write: a full disk.
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", "/dev/full")
+    model = TinyBackbone()
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    for size in (4, 2, 1, 3):
+        backend(**buffers.step(size))
+    assert sim.live_graphs == 3
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        backend.flush_stats()
+        backend.clear_graph()
+        stats.flush_all()
+    assert sim.live_graphs == 0 and backend.stats()["graph_bytes"] == {}
+    assert failures["FD_CUDAGRAPH_STATS_FILE"] == 3
+    warnings = [r.getMessage() for r in caplog.records if "STATS_FILE" in r.getMessage()]
+    assert len(warnings) == 1 and "cannot write /dev/full" in warnings[0]
+
+
+def test_full_disk_memory_report_does_not_stop_capture(sim, monkeypatch, caplog, failures):
+    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", "/dev/full")
+    config = make_config(4, cudagraph_capture_sizes=[4, 2, 1])
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with (
+        caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"),
+        session.CaptureSession("decode", fd_config=config),
+    ):
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    assert failures["FD_CUDAGRAPH_MEMORY_REPORT"] == 1
+    assert sim.live_graphs == 3
+    assert json.dumps(backend.stats())  # still serving and reporting
