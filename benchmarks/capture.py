@@ -35,7 +35,7 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
 )
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-from fd_cudagraph_plugin import capture, runtime  # noqa: E402
+from fd_cudagraph_plugin import capture, hooks, runtime, session  # noqa: E402
 from fd_cudagraph_plugin.backend import CudaGraphBackend  # noqa: E402
 
 EAGER_SECONDS = 0.002
@@ -71,12 +71,13 @@ def time_capture(backend_class, max_num_seqs: int) -> tuple[float, float, int]:
     model = FixedCostBackbone(fd_config=config)
     runner = GPUModelRunner(config, model)
     runner.profile_run()
+    session.reset_for_tests()
     capture.reset_for_tests()
     capture.mark_warmed()  # as after FastDeploy's profile run
     started = time.perf_counter()
     runner.capture_model()
     elapsed = time.perf_counter() - started
-    capture.uninstall_runner_hooks()
+    hooks.uninstall_runner_hooks()
     report = getattr(model.graph_opt_backend.cudagraph_piecewise_backend, "capture_report", None)
     setup = report.setup_seconds if report is not None else 0.0
     return elapsed, setup, len(config.graph_opt_config.cudagraph_capture_sizes)

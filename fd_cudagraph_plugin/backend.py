@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin import allreduce, session, stats
+from fd_cudagraph_plugin import allreduce, hooks, session, stats
 from fd_cudagraph_plugin.capture import Capturer, mark_warmed
 from fd_cudagraph_plugin.dispatch import Dispatch
 from fd_cudagraph_plugin.entries import DECODE, PREFILL, Counts, GraphEntry, Tables
@@ -81,7 +81,7 @@ class CudaGraphBackend(Dispatch):
             from fd_cudagraph_plugin import metrics
 
             metrics.enable()
-        session.install_runner_hooks()
+        hooks.install_runner_hooks()
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
             logger.warning(

@@ -100,7 +100,7 @@ def register() -> None:
             )
         return
 
-    from fd_cudagraph_plugin import session
+    from fd_cudagraph_plugin import hooks
     from fd_cudagraph_plugin.backend import CudaGraphBackend
 
     backfill_forward_meta(importlib.import_module(_FORWARD_META_MODULE).ForwardMeta)
@@ -111,7 +111,7 @@ def register() -> None:
         native_module = importlib.import_module(_NATIVE_MODULE)
         setattr(native_module, _NAME, CudaGraphBackend)
     # Every capture loop must run in a session, also when no profile run builds a backend first.
-    session.watch_runner_imports()
+    hooks.watch_runner_imports()
     if not _logged:
         _logged = True
         from fd_cudagraph_plugin import __version__

@@ -37,7 +37,7 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
 )
 from fastdeploy.platforms import current_platform  # noqa: E402
 
-from fd_cudagraph_plugin import capture, plugin, runtime, session, stats  # noqa: E402
+from fd_cudagraph_plugin import capture, hooks, plugin, runtime, session, stats  # noqa: E402
 from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
@@ -64,7 +64,7 @@ def _isolated_environment(monkeypatch):
     communication._TP_AR = saved_tp_ar
     plugin._logged = False
     current_platform.device_name = None
-    session.uninstall_runner_hooks()
+    hooks.uninstall_runner_hooks()
     session.reset_for_tests()
     capture.reset_for_tests()
     stats.stop_reporter()
