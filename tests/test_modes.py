@@ -172,12 +172,12 @@ def test_static_capture_order_is_checked_per_backend(sim, partial_program_calls)
     config = make_config(8, graph_opt_level=1, full_cuda_graph=True)
     model = DecoratedBackbone(fd_config=config)
     from fastdeploy.model_executor.graph_optimization.graph_optimization_backend import (
-        _to_static,
+        apply_to_static_optimization,
     )
+    from paddle.jit.dy2static.utils import Backend
 
-    backend = CudaGraphBackend(
-        fd_config=config, dy_runnable=model.forward, runnable=_to_static(model.forward)
-    )
+    static = apply_to_static_optimization(model.forward.__func__, Backend.PHI).__get__(model)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=static)
     with pytest.raises(CaptureOrderError, match=r"expected size 8 .*got 2"):
         backend(**Buffers().step(2))
     assert not any(state == "CAPTURE" for state, _ in partial_program_calls)
