@@ -243,3 +243,18 @@ class Buffers:
             self.ids[:tokens] = values
         view = self.ids[:tokens]
         return {"ids_remove_padding": view, "forward_meta": meta_for(view)}
+
+
+@support_graph_optimization
+class FlakyBackboneForRunner(TinyBackbone):
+    """Raises ``message`` from the first call made while a (simulated) graph capture runs."""
+
+    def __init__(self, fd_config=None, message: str = "") -> None:
+        super().__init__(fd_config)
+        self.message = message
+
+    def forward(self, ids_remove_padding: paddle.Tensor, forward_meta):
+        current = runtime._RUNTIMES.get("simulated")
+        if current is not None and current.capturing:
+            raise RuntimeError(self.message)
+        return super().forward(ids_remove_padding, forward_meta)

@@ -37,8 +37,8 @@ def _apply_known(obj: object, args: dict | None) -> None:
 
 def _padding_map(sizes_desc: list[int]) -> dict[int, int]:
     """Map each shape up to the largest size onto the smallest size that holds it."""
-    mapping: dict[int, int] = {}
-    for end, start in zip(sizes_desc, [*sizes_desc[1:], 0], strict=True):
+    mapping: dict[int, int] = {0: 0}
+    for end, start in zip(sizes_desc, [*sizes_desc[1:], 0][: len(sizes_desc)], strict=True):
         mapping[start] = start
         for shape in range(start + 1, end):
             mapping[shape] = end

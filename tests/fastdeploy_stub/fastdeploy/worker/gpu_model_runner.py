@@ -42,7 +42,7 @@ class GPUModelRunner:
             fd_config.get_max_chunk_tokens(),
             self.max_num_seqs * (self.num_speculative_tokens + 1),
             *goc.cudagraph_capture_sizes,
-            *goc.cudagraph_capture_sizes_prefill,
+            *getattr(goc, "cudagraph_capture_sizes_prefill", []),  # none on 2.4
             1,
         )
         self.share_inputs = {
