@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,15 @@ import pytest
 # SOT compiles even tiny functions into partial programs, so the static (dy2st) modes really run
 # Paddle's run_program with CUDA-graph attributes on the CPU. Set before Paddle is imported.
 os.environ["MIN_GRAPH_SIZE"] = "0"
+# FastDeploy's legacy loggers write files under FD_LOG_DIR; keep them out of the checkout.
+os.environ.setdefault("FD_LOG_DIR", tempfile.mkdtemp(prefix="fd-stub-log-"))
 
 STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
 if str(STUB) not in sys.path:
     sys.path.insert(0, str(STUB))
 
 import paddle  # noqa: E402
+from fastdeploy import _stub_version  # noqa: E402
 from fastdeploy.config import (  # noqa: E402
     CacheConfig,
     FDConfig,
@@ -27,7 +31,7 @@ from fastdeploy.config import (  # noqa: E402
 )
 from fastdeploy.distributed import communication  # noqa: E402
 from fastdeploy.distributed.custom_all_reduce import RecordingCustomAllreduce  # noqa: E402
-from fastdeploy.model_executor.forward_meta import ForwardMeta  # noqa: E402
+from fastdeploy.model_executor import forward_meta  # noqa: E402
 from fastdeploy.model_executor.graph_optimization import (  # noqa: E402
     cudagraph_piecewise_backend,
     graph_optimization_backend,
@@ -36,12 +40,26 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
     support_graph_optimization,
 )
 from fastdeploy.platforms import current_platform  # noqa: E402
+from paddle.jit.sot.opcode_translator.executor.executor_cache import (  # noqa: E402
+    OpcodeExecutorCache,
+)
+from paddle.jit.sot.psdb import in_sot  # noqa: E402
 
 from fd_cudagraph_plugin import capture, hooks, plugin, runtime, session, stats  # noqa: E402
 from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
 VOCAB = 32
+
+#: FastDeploy releases the stand-in emulates (``fastdeploy._stub_version``).
+FD_VERSIONS = _stub_version.VERSIONS
+#: Modes that exist per release: static split needs capture_model_prefill_and_mixed (2.5+).
+MODE_VERSIONS = {
+    "dynamic": FD_VERSIONS,
+    "static_split": ("2.5", "2.6", "develop"),
+    "static_full": FD_VERSIONS,
+    "speculative": FD_VERSIONS,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +73,13 @@ def _isolated_environment(monkeypatch):
     saved_tp_ar = communication._TP_AR
     capture.reset_for_tests()
     session.reset_for_tests()
+    # SOT caches generated code per function code object, process-wide: models built by earlier
+    # tests would count as FastDeploy's "multiple generated code" (a worker has one model).
+    OpcodeExecutorCache().clear()
     yield
     graph_optimization_backend.CudaGraphPiecewiseBackend = native
     cudagraph_piecewise_backend.CudaGraphPiecewiseBackend = native
-    graph_optimization_backend.LEGACY_TWO_ARG = False
+    _stub_version.use("develop")
     runtime._RUNTIMES.clear()
     runtime._RUNTIMES.update(saved_runtimes)
     communication._TP_AR = saved_tp_ar
@@ -68,6 +89,13 @@ def _isolated_environment(monkeypatch):
     session.reset_for_tests()
     capture.reset_for_tests()
     stats.stop_reporter()
+
+
+@pytest.fixture(params=FD_VERSIONS)
+def fd_version(request) -> str:
+    """Run the test as each FastDeploy release (parametrise indirectly to pick some)."""
+    _stub_version.use(request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -117,13 +145,15 @@ def make_config(
     speculative: dict | None = None,
     tp: int = 1,
     sequence_parallel_moe: bool = False,
+    splitwise_role: str = "mixed",
     **graph_args,
 ) -> FDConfig:
     graph = {"use_cudagraph": True, **graph_args}
     parallel = {"tensor_parallel_size": tp, "use_sequence_parallel_moe": sequence_parallel_moe}
+    scheduler = {"max_num_seqs": max_num_seqs, "splitwise_role": splitwise_role}
     return FDConfig(
         graph_opt_config=GraphOptimizationConfig(graph),
-        scheduler_config=SchedulerConfig({"max_num_seqs": max_num_seqs}),
+        scheduler_config=SchedulerConfig(scheduler),
         cache_config=CacheConfig({}),
         parallel_config=ParallelConfig(parallel),
         speculative_config=SpeculativeConfig(speculative or {}),
@@ -142,9 +172,19 @@ class TinyBackbone(paddle.nn.Layer):
         self.outputs = outputs
         self.calls = 0
 
-    def forward(self, ids_remove_padding, forward_meta):
-        self.calls += 1
+    hidden_size = HIDDEN
+    vocab_size = VOCAB
+
+    def forward(self, ids_remove_padding: paddle.Tensor, forward_meta):
+        if not in_sot():
+            # Counts dygraph runs only: a counter read under SOT would be a guard, so every call
+            # would generate new code ("Model has multiple generated code").
+            self.calls += 1
         hidden = paddle.tanh(self.proj(self.embed(ids_remove_padding)))
+        if communication._TP_AR is not None:
+            # A tensor-parallel model sums its row-parallel output: NaN if this runs inside the
+            # custom all-reduce capture context outside a stream capture (a warm-up there).
+            hidden = communication.tensor_model_parallel_all_reduce(hidden)
         if self.outputs == "list_with_none":
             return [hidden, None, hidden * 2.0]
         if self.outputs == "single_list":
@@ -157,9 +197,29 @@ class DecoratedBackbone(TinyBackbone):
     """The same backbone behind FastDeploy's ``@support_graph_optimization``."""
 
 
-def meta_for(ids, **fields) -> ForwardMeta:
+class DraftBackbone(TinyBackbone):
+    """An MTP draft: also reads the target's ``previous_hidden_states``."""
+
+    def forward(
+        self, ids_remove_padding: paddle.Tensor, previous_hidden_states: paddle.Tensor, forward_meta
+    ):
+        if not in_sot():
+            self.calls += 1
+        hidden = paddle.tanh(self.proj(self.embed(ids_remove_padding) + previous_hidden_states))
+        if communication._TP_AR is not None:
+            hidden = communication.tensor_model_parallel_all_reduce(hidden)
+        return hidden
+
+
+@support_graph_optimization
+class DecoratedDraft(DraftBackbone):
+    """The draft behind ``@support_graph_optimization``, as ``Ernie4_5_MTPModel`` is."""
+
+
+def meta_for(ids, **fields):
+    """A ``ForwardMeta`` of the emulated release (fields it lacks raise TypeError)."""
     fields.setdefault("step_use_cudagraph", True)
-    return ForwardMeta(ids_remove_padding=ids, **fields)
+    return forward_meta.ForwardMeta(ids_remove_padding=ids, **fields)
 
 
 def capture_speculative(backend, buffers: Buffers) -> None:
@@ -183,3 +243,18 @@ class Buffers:
             self.ids[:tokens] = values
         view = self.ids[:tokens]
         return {"ids_remove_padding": view, "forward_meta": meta_for(view)}
+
+
+@support_graph_optimization
+class FlakyBackboneForRunner(TinyBackbone):
+    """Raises ``message`` from the first call made while a (simulated) graph capture runs."""
+
+    def __init__(self, fd_config=None, message: str = "") -> None:
+        super().__init__(fd_config)
+        self.message = message
+
+    def forward(self, ids_remove_padding: paddle.Tensor, forward_meta):
+        current = runtime._RUNTIMES.get("simulated")
+        if current is not None and current.capturing:
+            raise RuntimeError(self.message)
+        return super().forward(ids_remove_padding, forward_meta)

@@ -128,7 +128,11 @@ def test_warmups_run_outside_the_allreduce_context_and_capture_inside(sim, recor
     backend(**buffers.step(8))
     # 3 eager warm-ups outside, the captured run inside, then the replay (outside again).
     assert seen == [False, False, False, True, False]
-    assert recording_ar.events == [("capture_enter",), ("register_graph_buffers",)]
+    assert recording_ar.events == [
+        ("capture_enter",),
+        ("register_graph_buffers",),
+        ("all_gather_object", "tp-group"),
+    ]
 
 
 def test_capture_order_must_follow_the_plan_every_rank_follows(sim):
@@ -192,7 +196,7 @@ def test_clear_graph_releases_everything_and_recapture_works(sim, recording_ar):
 
 
 def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
-    config = make_config(8, tp=2, sequence_parallel_moe=True)
+    config = make_config(8, tp=2, sequence_parallel_moe=True, splitwise_role="decode")
     assert config.graph_opt_config.cudagraph_capture_sizes == [8, 4, 2]
     assert config.graph_opt_config.real_shape_to_captured_size[1] == 1  # stale upstream
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):

@@ -128,7 +128,10 @@ def test_custom_allreduce_registers_after_every_graph(plugin_registered, recordi
     model, runner = runner_for(config)
     recording_ar.events.clear()
     runner.capture_model()
-    assert recording_ar.events == [("capture_enter",), ("register_graph_buffers",)] * 3
+    assert (
+        recording_ar.events
+        == [("capture_enter",), ("register_graph_buffers",), ("all_gather_object", "tp-group")] * 3
+    )
     out = runner.execute_step(3)
     view = runner.share_inputs["ids"][:3]
     assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-__version__ = "2.6.0"
+__version__ = "2.6.0"  # rebound by _stub_version.use

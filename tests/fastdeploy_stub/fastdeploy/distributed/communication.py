@@ -8,8 +8,6 @@ from typing import Any
 
 _TP_AR: Any = None  # a CustomAllreduce once TP > 1 enables it; tests may install a recorder
 
-_DEFAULT_MAX_BYTES = 8 * 1024 * 1024
-
 
 @contextmanager
 def capture_custom_allreduce() -> Iterator[None]:
@@ -25,10 +23,20 @@ def custom_ar_clear_ipc_handles() -> None:
 
 
 def use_custom_allreduce(
-    tp_group: Any = None, custom_all_reduce_max_bytes: int | None = None
+    tp_group: Any = None, custom_all_reduce_max_bytes: int = 8192 * 1024
 ) -> None:
     global _TP_AR
     from fastdeploy.distributed.custom_all_reduce import CustomAllreduce
 
-    max_bytes = custom_all_reduce_max_bytes or _DEFAULT_MAX_BYTES
-    _TP_AR = CustomAllreduce(tp_group, max_bytes)
+    _TP_AR = CustomAllreduce(tp_group, custom_all_reduce_max_bytes)
+
+
+def tensor_model_parallel_all_reduce(input_: Any, group_: Any = None) -> Any:
+    """Sum over the TP group: the custom all-reduce when it takes the tensor, else an in-place
+    ``paddle.distributed.all_reduce`` (not run here: the stand-in has one rank, so it is the
+    identity)."""
+    if input_.shape[0] == 0:
+        return input_
+    if _TP_AR is not None and _TP_AR.should_custom_ar(input_):
+        return _TP_AR.custom_all_reduce(input_)
+    return input_

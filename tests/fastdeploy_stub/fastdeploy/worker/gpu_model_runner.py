@@ -1,7 +1,9 @@
 """A small ``GPUModelRunner``: persistent input buffers, dummy runs, capture loops, steps.
 
 Like upstream, every model input is a view of a fixed buffer filled in place, the model is
-called with keyword arguments only, and outputs are sliced to the real token count.
+called with keyword arguments only, and outputs are sliced to the real token count. The capture
+loops, ``ForwardMeta`` fields and error texts follow the release chosen in ``_stub_version``.
+With a ``draft_model`` (speculative method ``mtp``), an ``MTPProposer`` runs after each step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 import fastdeploy.model_executor.models  # noqa: F401  (loads model-register plugins, as upstream)
 import paddle
-from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy import _stub_version
+from fastdeploy.model_executor import forward_meta as _forward_meta
 from fastdeploy.model_executor.graph_optimization.utils import profile_run_guard, sot_warmup_guard
 from fastdeploy.utils import get_logger
 
@@ -21,12 +24,16 @@ logger = get_logger("gpu_model_runner", "worker_process.log")
 
 
 class GPUModelRunner:
-    def __init__(self, fd_config: Any, model: Any) -> None:
+    def __init__(self, fd_config: Any, model: Any, draft_model: Any = None) -> None:
         self.fd_config = fd_config
         self.model = model
         goc = fd_config.graph_opt_config
         self.use_cudagraph = goc.use_cudagraph
         self.max_num_seqs = fd_config.scheduler_config.max_num_seqs
+        spec = fd_config.speculative_config
+        self.spec_method = spec.method if spec is not None else None
+        # Tokens per request beyond the first in a decode step (0 for methods whose sizes
+        # FastDeploy does not scale).
         self.num_speculative_tokens = fd_config.num_speculative_tokens_for_graphs()
         self.speculative_decoding = self.num_speculative_tokens > 0
         self.cudagraph_capture_sizes = list(reversed(goc.cudagraph_capture_sizes))  # ascending
@@ -35,23 +42,32 @@ class GPUModelRunner:
             fd_config.get_max_chunk_tokens(),
             self.max_num_seqs * (self.num_speculative_tokens + 1),
             *goc.cudagraph_capture_sizes,
-            *goc.cudagraph_capture_sizes_prefill,
+            *getattr(goc, "cudagraph_capture_sizes_prefill", []),  # none on 2.4
             1,
         )
         self.share_inputs = {
             "ids": paddle.zeros([ids_len], dtype="int64"),
             "seq_lens_this_time": paddle.zeros([self.max_num_seqs], dtype="int32"),
         }
+        self.proposer = None
+        if draft_model is not None:
+            from fastdeploy.spec_decode.mtp import MTPProposer
+
+            hidden, vocab = draft_model.hidden_size, draft_model.vocab_size
+            self.proposer = MTPProposer(fd_config, draft_model, hidden, vocab)
+            self.proposer.fd_config_ids = self.share_inputs["ids"]
 
     # -- inputs -----------------------------------------------------------------------------
     def _step_use_cudagraph(self, exist_prefill: bool, num_tokens: int) -> bool:
         goc = self.fd_config.graph_opt_config
         if not self.use_cudagraph:
             return False
-        if goc.graph_opt_level > 0 and not goc.full_cuda_graph:
-            return True  # static split mode forces the flag every step
+        if _stub_version.at_least("2.5") and goc.graph_opt_level > 0 and not goc.full_cuda_graph:
+            return True  # static split mode forces the flag every step (2.5+)
         if goc.cudagraph_only_prefill:
             return exist_prefill
+        if not _stub_version.at_least("2.5"):
+            return not exist_prefill  # 2.4 has no "> 0 tokens" test
         return not exist_prefill and num_tokens > 0
 
     def _prepare(self, num_tokens: int, seq_lens: list[int], ids: Any = None) -> paddle.Tensor:
@@ -79,17 +95,28 @@ class GPUModelRunner:
         ids: Any = None,
     ) -> paddle.Tensor:
         view = self._prepare(num_tokens, seq_lens, ids)
-        meta = ForwardMeta(
+        meta = _forward_meta.ForwardMeta(
             ids_remove_padding=view,
             step_use_cudagraph=use_graph,
-            exist_prefill=exist_prefill,
-            real_bsz=real_bsz,
             seq_lens_this_time=self.share_inputs["seq_lens_this_time"],
-            is_zero_size=num_tokens == 0,
             is_dummy_or_profile_run=dummy,
         )
-        out = self.model(ids_remove_padding=view, forward_meta=meta)
-        return out[:num_tokens]
+        if _stub_version.at_least("2.5"):
+            meta.exist_prefill = exist_prefill
+            meta.is_zero_size = num_tokens == 0
+        if _stub_version.at_least("2.6"):
+            meta.real_bsz = real_bsz
+        out = self.model(ids_remove_padding=view, forward_meta=meta)[:num_tokens]
+        if self.proposer is not None:
+            # Dummy runs pass no real_bsz (0); serving passes the running requests (2.6+).
+            self.proposer.run(
+                full_hidden_states=out,
+                step_use_cudagraph=use_graph,
+                seq_lens=seq_lens,
+                is_dummy_run=dummy,
+                real_bsz=0 if dummy else real_bsz,
+            )
+        return out
 
     # -- dummy runs and capture -------------------------------------------------------------
     def _dummy_run(
@@ -124,55 +151,116 @@ class GPUModelRunner:
         )
 
     @contextmanager
-    def _capturing(self) -> Iterator[None]:
-        """Time a capture loop and turn known CUDA failures into advice, as upstream."""
+    def _capturing(self, capture_sizes: list[int]) -> Iterator[None]:
+        """Time a capture loop and rewrap known CUDA failures, with upstream's texts."""
         start = time.perf_counter()
         try:
             yield
-        except RuntimeError as exc:
-            if "out of memory" in str(exc):
+        except RuntimeError as e:
+            if "out of memory" in str(e):
                 raise RuntimeError(
-                    "CUDA graph capture ran out of memory: lower max_num_seqs or "
-                    f"gpu_memory_utilization. ({exc})"
-                ) from exc
-            if "CUDA error(700)" in str(exc):
+                    "CUDA out of memory occurred when warming up CUDAGraph "
+                    f"with the capture sizes {capture_sizes}. Please try "
+                    "lowering `max_num_seqs` or `gpu_memory_utilization` when "
+                    "initializing the engine."
+                ) from e
+            if "CUDA error(700)" in str(e):
                 raise RuntimeError(
-                    "CUDA graph capture failed; try --graph-optimization-config "
-                    f"'{{\"use_cudagraph\": false}}'. ({exc})"
-                ) from exc
-            raise
-        logger.info("Cuda Graph capturing took %s seconds", time.perf_counter() - start)
+                    "CUDA error(700), an illegal memory access was encountered, "
+                    "when warming up CUDAGraph. Please try to set the startup parameter: "
+                    "--graph-optimization-config '{\"use_cudagraph\": false}' to close CUDAGraph"
+                ) from e
+            raise e
+        logger.info(f"Cuda Graph capturing took {time.perf_counter() - start} seconds")
+
+    def _spec_capture_branch(self) -> bool:
+        """Which speculative methods take the MTP-style capture loop, per release."""
+        version = _stub_version.current()
+        if self.spec_method is None:
+            return False
+        if version == "2.4":
+            return self.spec_method == "mtp"
+        if version == "2.5":
+            return True
+        if version == "2.6":
+            return self.spec_method in ("mtp", "suffix")  # ngram takes the plain loop
+        return self.spec_method in ("mtp", "suffix", "ngram")
+
+    def _decode_num_tokens(self) -> int:
+        if _stub_version.at_least("2.5"):
+            return self.fd_config.get_max_chunk_tokens()
+        sc = self.fd_config.scheduler_config
+        return self.max_num_seqs if sc.splitwise_role == "decode" else sc.max_num_batched_tokens
 
     @sot_warmup_guard(True)
     def capture_model(self) -> None:
-        """Capture every decode size, largest first (three loop variants, as upstream)."""
+        """Capture every decode size, largest first, with the release's loop variant."""
         if not self.use_cudagraph:
-            logger.info("Skipping CUDA graph capture: use_cudagraph is off.")
+            logger.info("Skipping CUDA graph capture. Please check GraphOptimizationConfig")
             return
         only_prefill = self.fd_config.graph_opt_config.cudagraph_only_prefill
-        chunk, k = self.fd_config.get_max_chunk_tokens(), self.num_speculative_tokens
-        with self._capturing():
-            for c in sorted(self.cudagraph_capture_sizes, reverse=True):
-                if only_prefill:
+        chunk, k = self._decode_num_tokens(), self.num_speculative_tokens
+        capture_sizes = self.cudagraph_capture_sizes.copy()
+        version = _stub_version.current()
+        with self._capturing(capture_sizes):
+            if only_prefill:
+                for c in sorted(capture_sizes, reverse=True):
                     self._dummy_run(c, self.max_num_seqs, in_capturing=True, capture_prefill=True)
-                elif self.speculative_decoding:
+            elif self._spec_capture_branch() and version == "2.4":
+                self._capture_2_4_mtp(capture_sizes, chunk)
+            elif self._spec_capture_branch():
+                decode_len = k * 2 + 1 if version == "2.5" else (k + 1) * 2
+                for c in sorted(capture_sizes, reverse=True):
                     self._dummy_run(
                         chunk,
                         int(c / (k + 1)),
-                        expected_decode_len=2 * (k + 1),
+                        expected_decode_len=decode_len,
                         in_capturing=True,
                         accept_all_drafts=True,
                     )
-                else:
+            else:
+                for c in sorted(capture_sizes, reverse=True):
                     self._dummy_run(chunk, c, in_capturing=True)
+
+    def _capture_2_4_mtp(self, capture_sizes: list[int], chunk: int) -> None:
+        # 2.4: sizes are tokens of two per request; the draft gets its own loop when enabled.
+        sizes = sorted(capture_sizes, reverse=True)
+        for c in sizes:
+            if c == 1:
+                continue
+            assert c % 2 == 0
+            self._dummy_run(chunk, int(c / 2), in_capturing=True)
+        if self.proposer is not None and self.proposer.draft_model_use_cudagraph:
+            for c in sizes:
+                if c != 1:
+                    self._dummy_run(
+                        chunk,
+                        int(c / 2),
+                        expected_decode_len=3,
+                        in_capturing=True,
+                        accept_all_drafts=True,
+                    )
+            if 1 in sizes:
+                self._dummy_run(chunk, 1, expected_decode_len=3, in_capturing=True)
 
     @sot_warmup_guard(True)
     def capture_model_prefill_and_mixed(self) -> None:
-        """Static split mode: capture each prefill size, largest first."""
+        """Static split mode (2.5+): capture each prefill size, largest first. No try/except."""
+        if not _stub_version.at_least("2.5"):
+            raise AttributeError(
+                "'GPUModelRunner' object has no attribute "
+                "'capture_model_prefill_and_mixed' (FastDeploy 2.4)"
+            )
+        if not self.use_cudagraph:
+            logger.info("Skipping CUDA graph capture. Please check GraphOptimizationConfig")
+            return
         goc = self.fd_config.graph_opt_config
-        with self._capturing():
-            for c in sorted(goc.cudagraph_capture_sizes_prefill, reverse=True):
-                self._dummy_run(c, 1, in_capturing=True, capture_prefill=True)
+        start = time.perf_counter()
+        for c in sorted(goc.cudagraph_capture_sizes_prefill, reverse=True):
+            self._dummy_run(c, 1, in_capturing=True, capture_prefill=True)
+        logger.info(
+            f"Cuda Graph capturing (Prefill and Mixed) took {time.perf_counter() - start} seconds"
+        )
 
     # -- runtime ----------------------------------------------------------------------------
     def execute_step(
@@ -188,4 +276,9 @@ class GPUModelRunner:
         return self._run(token_count, seq_lens, exist_prefill, flag, bsz, dummy=False, ids=ids)
 
     def clear_graph_opt_backend(self) -> None:
-        self.model.clear_graph_opt_backend(fd_config=self.fd_config)
+        """What ``clear_parameters``/``sleep`` do: the target, and the draft when it is graphed."""
+        from fastdeploy.model_executor.graph_optimization.decorator import clear_method_name
+
+        getattr(self.model, clear_method_name(_stub_version.current()))(fd_config=self.fd_config)
+        if self.proposer is not None and self.proposer.draft_model_use_cudagraph:
+            self.proposer.clear_graph_opt_backend()

@@ -1,6 +1,8 @@
 """Stand-in for the native ``CudaGraphPiecewiseBackend``: no graphs, just eager calls.
 
 It exists so tests can tell whether the native class or a plugin's class was instantiated.
+Like upstream (2.5+), the constructor reads ``fd_config.speculative_config.method``, so a None
+``speculative_config`` fails here as it does there.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from fastdeploy.distributed.communication import custom_ar_clear_ipc_handles
 
 
 class CudaGraphPiecewiseBackend:
-    """Develop / 2.5 / 2.6 signature: ``(fd_config, dy_runnable, runnable)``."""
+    """2.5 / 2.6 / develop signature: ``(fd_config, dy_runnable, runnable)``."""
+
+    _fd_stub_native = True  # lets _stub_version tell its own classes from a plugin's
 
     def __init__(self, fd_config: Any, dy_runnable: Callable, runnable: Callable) -> None:
         self.fd_config = fd_config
         self.dy_runnable = dy_runnable
         self.runnable = runnable
         self.cudagraph_capture_sizes = fd_config.graph_opt_config.cudagraph_capture_sizes
+        self.speculative_decoding = fd_config.speculative_config.method is not None
         self.calls = 0
         self.clear_count = 0
 
@@ -35,7 +40,15 @@ class CudaGraphPiecewiseBackend:
 
 
 class LegacyCudaGraphPiecewiseBackend(CudaGraphPiecewiseBackend):
-    """Release 2.4 signature: ``(fd_config, runnable)``."""
+    """Release 2.4 signature: ``(fd_config, runnable)``; 2.4 runs ``runnable`` for every entry."""
 
     def __init__(self, fd_config: Any, runnable: Callable) -> None:
-        super().__init__(fd_config=fd_config, dy_runnable=runnable, runnable=runnable)
+        self.fd_config = fd_config
+        self.dy_runnable = self.runnable = runnable
+        self.cudagraph_capture_sizes = fd_config.graph_opt_config.cudagraph_capture_sizes
+        self.calls = 0
+        self.clear_count = 0
+
+
+def native_class(version: str) -> type:
+    return LegacyCudaGraphPiecewiseBackend if version == "2.4" else CudaGraphPiecewiseBackend

@@ -51,3 +51,19 @@ class GraphOptWrapper:
             "Currently unable to update weights in static graph mode."
         )
         self.graph_opt_backend.clear_cudagraph_piecewise_backend()
+
+
+_CLEAR = GraphOptWrapper.clear_graph_opt_backend
+
+
+def clear_method_name(version: str) -> str:
+    """2.4 and 2.5 spell it ``clear_grpah_opt_backend``; 2.6 and develop fixed the typo."""
+    return "clear_grpah_opt_backend" if version in ("2.4", "2.5") else "clear_graph_opt_backend"
+
+
+def spell_clear_method(version: str) -> None:
+    """Give ``GraphOptWrapper`` only the clear method that ``version`` has."""
+    for name in ("clear_graph_opt_backend", "clear_grpah_opt_backend"):
+        if name in GraphOptWrapper.__dict__:
+            delattr(GraphOptWrapper, name)
+    setattr(GraphOptWrapper, clear_method_name(version), _CLEAR)
