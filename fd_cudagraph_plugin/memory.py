@@ -73,8 +73,8 @@ def pools_for(runtime: GraphRuntime) -> PoolManager:
     return manager
 
 
-#: Speculative methods without a draft model: one backend per process, nothing to share a pool with.
-_NO_DRAFT_MODEL = (None, "ngram", "naive")
+#: Speculative methods without a draft model (FastDeploy's SpecMethod): one backend per process.
+_NO_DRAFT_MODEL = (None, "naive", "ngram", "suffix")
 
 
 def pool_policy(settings: Settings) -> str:

@@ -32,7 +32,11 @@ FORWARD_META_DEFAULTS = {"exist_prefill": False, "real_bsz": 0}
 OPTION_PREFIX = "FD_CUDAGRAPH_"
 
 _logged = False
+#: (class, name) pairs backfill_forward_meta added, so tests can take them away again.
+_backfilled: list[tuple[type, str]] = []
 _unknown_logged = False
+#: (class, name) pairs backfill_forward_meta added, so tests can take them away again.
+_backfilled: list[tuple[type, str]] = []
 
 
 def unknown_options(environ: Mapping[str, str]) -> list[str]:
@@ -49,14 +53,24 @@ def unknown_options(environ: Mapping[str, str]) -> list[str]:
 
 
 class _ToFastDeploy(logging.Handler):
-    """Hands the plugin's records to a FastDeploy logger, so they land in its log files."""
+    """Hands the plugin's records to a FastDeploy logger's own handlers (its log files).
+
+    Only to its handlers: FastDeploy's file loggers (``legacy.<name>``) propagate to the root
+    logger, and so does ours, so passing records through the FastDeploy logger itself would print
+    every line twice wherever root has a handler. Its handlers are read at each record, because
+    FastDeploy replaces them whenever ``get_logger`` is called for that name.
+    """
 
     def __init__(self, target: logging.Logger) -> None:
         super().__init__()
         self.target = target
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.target.handle(record)
+        if not self.target.isEnabledFor(record.levelno):
+            return
+        for handler in self.target.handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
 
 
 def _log_to_fastdeploy() -> None:
@@ -72,9 +86,6 @@ def _log_to_fastdeploy() -> None:
     if target is logger or not target.handlers:
         return
     logger.addHandler(_ToFastDeploy(target))
-    # FastDeploy's file loggers ("legacy.<name>") propagate to the root logger themselves; ours
-    # propagating too would print every record twice wherever root has a handler.
-    logger.propagate = False
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
 
@@ -148,7 +159,20 @@ def backfill_forward_meta(cls: type) -> list[str]:
     added = [name for name in FORWARD_META_DEFAULTS if not hasattr(cls, name)]
     for name in added:
         setattr(cls, name, FORWARD_META_DEFAULTS[name])
+        _backfilled.append((cls, name))
     return added
+
+
+def reset_for_tests() -> None:
+    """Undo what register() did to process-wide state: log forwarding and ForwardMeta fields."""
+    global _logged
+    _logged = False
+    for handler in [h for h in logger.handlers if isinstance(h, _ToFastDeploy)]:
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+    while _backfilled:
+        cls, name = _backfilled.pop()
+        delattr(cls, name)
 
 
 def fastdeploy_version() -> str:

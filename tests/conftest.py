@@ -83,7 +83,7 @@ def _isolated_environment(monkeypatch):
     runtime._RUNTIMES.clear()
     runtime._RUNTIMES.update(saved_runtimes)
     communication._TP_AR = saved_tp_ar
-    plugin._logged = False
+    plugin.reset_for_tests()
     current_platform.device_name = None
     hooks.uninstall_runner_hooks()
     session.reset_for_tests()

@@ -213,9 +213,6 @@ def _compare_with_stand_in(
         capture_sizes=sizes,
         capture_sizes_prefill=prefill_sizes,
         max_capture_shape_prefill=prefill_cap,
-        # The stand-in filters for sequence-parallel MoE in every role, which FastDeploy does in
-        # the decode role only (it turns SP-MoE off in the mixed role first): compare there.
-        splitwise_role="decode",
     )
     try:
         config = make_config(

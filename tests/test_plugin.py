@@ -139,7 +139,6 @@ def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
         for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
             ours.removeHandler(handler)
         ours.setLevel(logging.NOTSET)
-        ours.propagate = True
 
 
 def test_any_bad_option_stops_register_with_the_fix(monkeypatch):
@@ -192,7 +191,6 @@ def test_each_record_reaches_the_console_once_when_fastdeploys_logger_propagates
         for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
             ours.removeHandler(handler)
         ours.setLevel(logging.NOTSET)
-        ours.propagate = True
 
 
 def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim):
