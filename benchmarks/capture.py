@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"capture_model() over {rows[0][3]} sizes (max_num_seqs={args.max_num_seqs}), "
         f"eager forward {args.eager_ms:g} ms, 2 warm-ups per size (FastDeploy's default).\n"
-        f"Per size excludes the session's one-off setup (gc.collect + freeze), shown apart."
+        f"Per size excludes the session's one-off setup (GC freeze, plan exchange), shown apart."
     )
     reference = (rows[0][1] - rows[0][2]) / rows[0][3]
     for name, elapsed, setup, sizes in rows:
