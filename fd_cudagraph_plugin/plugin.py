@@ -114,7 +114,9 @@ def register() -> None:
     from fd_cudagraph_plugin import hooks
     from fd_cudagraph_plugin.backend import CudaGraphBackend
 
-    backfill_forward_meta(importlib.import_module(_FORWARD_META_MODULE).ForwardMeta)
+    forward_meta = getattr(_import_or_none(_FORWARD_META_MODULE), "ForwardMeta", None)
+    if forward_meta is not None:  # every release has it; a layout we do not know keeps its own
+        backfill_forward_meta(forward_meta)
     native = getattr(backend_module, _NAME, None)
     if native is not CudaGraphBackend:
         backend_module._fd_cudagraph_native_backend = native
@@ -150,6 +152,15 @@ def _log_unknown_options() -> None:
             "unset them.",
             ", ".join(hints),
         )
+
+
+def _import_or_none(name: str) -> object | None:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def backfill_forward_meta(cls: type) -> list[str]:

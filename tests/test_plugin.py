@@ -224,3 +224,9 @@ def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim):
         lens = paddle.to_tensor([2, 1, 0, 0], dtype="int32")
         meta = ForwardMeta24(view, True, seq_lens_this_time=lens)
         assert backend(ids_remove_padding=view, forward_meta=meta).shape[0] == 4
+
+
+def test_register_works_on_a_fastdeploy_layout_without_forward_meta(monkeypatch, sim):
+    monkeypatch.setitem(sys.modules, "fastdeploy.model_executor.forward_meta", None)
+    plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is not NATIVE
