@@ -217,7 +217,8 @@ class Capturer:
             f"CUDA graph {stage} failed for {entry.phase} size {entry.size} "
             f"({'static' if static else 'dynamic'} mode, "
             f"graph_opt_level={settings.graph_opt_level}, "
-            f"full_cuda_graph={settings.full_cuda_graph}): {type(error).__name__}: {error}. "
+            f"full_cuda_graph={settings.full_cuda_graph}): {type(error).__name__}: "
+            f"{str(error).rstrip('. ')}. "
             f"{_OOM_ADVICE if out_of_memory else _OP_ADVICE}"
             f"{_RESTART if stage == 'capture' else ''}"
         )
