@@ -18,7 +18,12 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 RANKS = 2
-SCENARIOS = ("equal-plans", "capture-sizes-differ")
+SCENARIOS = (
+    "equal-plans",
+    "capture-sizes-differ",
+    "self-check-error-on-one-rank",
+    "self-check-warn-on-one-rank",
+)
 #: The launch, from start to the last rank's exit, must end within this; each rank also ends
 #: itself (with a traceback in its log) a little earlier, should a collective never return.
 TIMEOUT_S = 120
@@ -110,3 +115,20 @@ def test_differing_capture_sizes_raise_rank_mismatch_with_the_diff_on_every_rank
             in (facts["message"])
         )
         assert facts["exchanges"] == [RANKS]
+
+
+def test_a_self_check_failure_on_one_rank_stops_every_rank_with_error(ranks):
+    for facts in ranks["self-check-error-on-one-rank"]:
+        assert facts["outcome"] == "SelfCheckError", facts["message"]
+        assert (
+            "every rank stops): rank 1: CUDA graph self-check failed for decode size 4"
+            in (facts["message"])
+        )
+        assert facts["exchanges"] == [RANKS, RANKS]  # the plan, then the verdicts
+
+
+def test_a_self_check_failure_on_one_rank_is_served_eagerly_on_every_rank_with_warn(ranks):
+    for facts in ranks["self-check-warn-on-one-rank"]:
+        assert facts["outcome"] == "ok", facts["message"]
+        assert facts["disabled"] == [4]  # rank 0's own graph of size 4 was fine
+        assert facts["exchanges"] == [RANKS, RANKS]

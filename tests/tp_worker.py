@@ -61,7 +61,7 @@ def tp_config(rank: Rank, max_num_seqs: int = 8, **graph_args: Any) -> Any:
     return config
 
 
-def capture(config: Any, *, profile_run: bool = True) -> Any:
+def capture(config: Any, *, profile_run: bool = True, model_cls: Any = None) -> Any:
     """FastDeploy's start-up on one rank: build the model, profile run, ``capture_model()``.
 
     Returns the backend, whose ``capture_report`` says what the session captured.
@@ -69,7 +69,7 @@ def capture(config: Any, *, profile_run: bool = True) -> Any:
     from conftest import DecoratedBackbone
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-    model = DecoratedBackbone(fd_config=config)
+    model = (model_cls or DecoratedBackbone)(fd_config=config)
     runner = GPUModelRunner(config, model)
     if profile_run:
         runner.profile_run()
@@ -91,6 +91,56 @@ def capture_sizes_differ(rank: Rank) -> dict[str, Any]:
     sizes = [8, 4, 2] if rank.index == 1 else [8, 4, 2, 1]
     backend = capture(tp_config(rank, cudagraph_capture_sizes=sizes))
     return {"captured": [r.size for r in backend.capture_report.records]}
+
+
+def _diverging_at_four() -> type:
+    """A model whose size-4 graph replays a host value frozen at capture, unlike eager: the
+    self-check fails at size 4 only (a nondeterministic kernel would, on one rank)."""
+    from conftest import DecoratedBackbone
+
+    from fd_cudagraph_plugin.runtime import get_runtime
+
+    runtime = get_runtime("simulated")
+
+    class DivergesAtFour(DecoratedBackbone):
+        counter = frozen = 0
+
+        def forward(self, ids_remove_padding, forward_meta):
+            out = super().forward(ids_remove_padding, forward_meta)
+            if ids_remove_padding.shape[0] != 4:
+                return out
+            self.counter += 1
+            if not runtime.replaying:
+                self.frozen = self.counter
+            return out + float(self.frozen)
+
+    return DivergesAtFour
+
+
+def _self_check_fails_on_rank_one(rank: Rank, mode: str) -> dict[str, Any]:
+    previous = os.environ.get("FD_CUDAGRAPH_SELF_CHECK")
+    os.environ["FD_CUDAGRAPH_SELF_CHECK"] = mode
+    try:
+        model_cls = _diverging_at_four() if rank.index == 1 else None
+        backend = capture(
+            tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1]), model_cls=model_cls
+        )
+    finally:
+        if previous is None:
+            os.environ.pop("FD_CUDAGRAPH_SELF_CHECK")
+        else:
+            os.environ["FD_CUDAGRAPH_SELF_CHECK"] = previous
+    return {"disabled": sorted(s for s, e in backend.decode_entries.items() if e.disabled)}
+
+
+@scenario("self-check-error-on-one-rank")
+def self_check_error_on_one_rank(rank: Rank) -> dict[str, Any]:
+    return _self_check_fails_on_rank_one(rank, "error")
+
+
+@scenario("self-check-warn-on-one-rank")
+def self_check_warn_on_one_rank(rank: Rank) -> dict[str, Any]:
+    return _self_check_fails_on_rank_one(rank, "warn")
 
 
 # ---------------------------------------------------------------------------------- driver
