@@ -280,3 +280,42 @@ def test_a_self_check_failure_on_this_rank_is_shared_not_raised_alone(sim, monke
         (0, "decode", 1),
     ]
     assert all(entry.disabled for entry in backend.decode_entries.values())
+
+
+def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(sim, tmp_path):
+    """The stats thread and the metrics publisher read while the serving thread counts; a read
+    that iterates a dict the server grows dies with 'dictionary changed size during iteration'."""
+    import sys
+    import threading
+
+    backend, _ = backend_for()
+    buffers = Buffers(4096)
+    capture_all(backend, buffers)
+    for tokens in (3, 4, 1):  # replayed steps: the readers merge these with the eager ones
+        backend(**buffers.step(tokens))
+    writer = stats.StatsFile(str(tmp_path / "stats.jsonl"), backend.settings)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                backend.stats()
+                backend.observed_keys()
+                stats.aggregate()
+                writer.flush(backend)
+        except BaseException as error:  # the failure under test
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for tokens in range(5, 4000):  # every oversized count is a new key
+            backend(**buffers.step(tokens))
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
