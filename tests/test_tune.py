@@ -396,3 +396,28 @@ def test_speculative_inconsistencies_exit_2_naming_the_field(
     trace.write_text("\n".join(lines) + "\n")
     assert main(["tune", str(trace), "--max-graphs", "2", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_stats_file_a_speculative_backend_writes_is_tuned_in_running_requests(sim, tmp_path):
+    """End to end: the backend's own stats file under MTP, then tune, then FastDeploy's config."""
+    from conftest import Buffers, TinyBackbone, capture_speculative
+
+    from fd_cudagraph_plugin.backend import CudaGraphBackend
+
+    config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    model = TinyBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    capture_speculative(backend, buffers)
+    for tokens, running in [(6, 3)] * 5 + [(2, 1)] * 3:
+        step = buffers.step(tokens)
+        step["forward_meta"].real_bsz = running
+        backend(**step)
+    path = tmp_path / "stats.jsonl"
+    StatsFile(str(path), backend.settings).flush(backend)
+    line = json.loads(path.read_text())
+    assert line["running_request_counts"] == {"1": 4, "2": 1, "3": 5, "4": 1}  # captures too
+    assert line["speculative_method"] == "mtp" and line["num_speculative_tokens"] == 1
+    result = tune(read_histogram([path]), max_graphs=2)
+    assert result.num_speculative_tokens == 1
+    assert result.capture_sizes == [4, 1]  # in requests (pads 2->4, 3->4: 7 slots; [4, 3]: 9)
