@@ -291,6 +291,13 @@ def stop_reporter() -> None:
         _reporter = None
 
 
+def forget_backends_for_tests() -> None:
+    """Start the next test as a fresh worker: no live backend (roles and session members are
+    assigned by order of construction)."""
+    with _lock:
+        _backends.clear()
+
+
 @atexit.register
 def _at_exit() -> None:
     stop_reporter()

@@ -89,6 +89,7 @@ def _isolated_environment(monkeypatch):
     session.reset_for_tests()
     capture.reset_for_tests()
     stats.stop_reporter()
+    stats.forget_backends_for_tests()
 
 
 @pytest.fixture(params=FD_VERSIONS)
