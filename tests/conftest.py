@@ -100,6 +100,16 @@ def fd_version(request) -> str:
 
 
 @pytest.fixture
+def failures():
+    """``stats.output_failures`` as this test leaves it, without other tests' counts."""
+    saved = stats.output_failures.copy()
+    stats.output_failures.clear()
+    yield stats.output_failures
+    stats.output_failures.clear()
+    stats.output_failures.update(saved)
+
+
+@pytest.fixture
 def sim(monkeypatch) -> SimulatedRuntime:
     """A fresh simulated runtime, chosen the way an operator would: FD_CUDAGRAPH_RUNTIME."""
     monkeypatch.setenv("FD_CUDAGRAPH_RUNTIME", "simulated")

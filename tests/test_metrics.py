@@ -30,15 +30,6 @@ def metrics_on(monkeypatch):
     metrics.disable()
 
 
-@pytest.fixture
-def failures():
-    saved = stats.output_failures.copy()
-    stats.output_failures.clear()
-    yield stats.output_failures
-    stats.output_failures.clear()
-    stats.output_failures.update(saved)
-
-
 def served_backend():
     model = TinyBackbone()
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])

@@ -122,16 +122,6 @@ def test_writable_output_paths_pass_and_nothing_is_left_behind(tmp_path, option,
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.fixture
-def failures():
-    """``stats.output_failures`` as this test leaves it, without other tests' counts."""
-    saved = stats.output_failures.copy()
-    stats.output_failures.clear()
-    yield stats.output_failures
-    stats.output_failures.clear()
-    stats.output_failures.update(saved)
-
-
 def test_full_disk_stats_file_is_logged_once_and_clear_graph_still_releases(
     sim, monkeypatch, caplog, failures
 ):
