@@ -15,16 +15,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.options import OPTIONS, read_option
+from fd_cudagraph_plugin.options import (
+    OPTION_PREFIX,
+    OPTIONS,
+    read_option,
+    removed_option_error,
+    unknown_options,
+)
 from fd_cudagraph_plugin.plugin import (
     _BACKEND_MODULE,
     _NAME,
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
-    OPTION_PREFIX,
     constructor_shape,
     fastdeploy_version,
-    unknown_options,
 )
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -241,7 +245,8 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
     An invalid one makes ``register()`` raise in every FastDeploy process, which stops start-up.
     """
     name = "options"
-    values, errors = {}, []
+    removed = removed_option_error(environ)
+    values, errors = {}, [str(removed)] if removed else []
     for option in OPTIONS:
         try:
             values[option.env] = read_option(option.env, environ)

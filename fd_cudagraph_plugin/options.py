@@ -5,8 +5,8 @@ They are environment variables because FastDeploy keeps only the
 is dropped without a word. Workers are spawned with the API server's environment, so a variable set
 at launch reaches every rank.
 
-Each option is declared once in ``OPTIONS``; the README table, ``fd-cudagraph doctor`` and the
-parser all read that declaration.
+Each option is declared once in ``OPTIONS``; the parser and ``fd-cudagraph doctor`` read that
+declaration, and tests/test_docs.py checks the README's table against it.
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
 )
 
+OPTION_PREFIX = "FD_CUDAGRAPH_"
 BY_ENV = {option.env: option for option in OPTIONS}
 
 #: Options and values that earlier versions had, with why they went. Setting one is an error, so a
@@ -197,6 +198,22 @@ REMOVED: dict[str, str] = {
         "tensor-parallel rank alone hangs the others"
     ),
 }
+
+
+def unknown_options(environ: Mapping[str, str]) -> list[str]:
+    """Set ``FD_CUDAGRAPH_*`` variables that are no option, each with the closest known name."""
+    import difflib
+
+    known = [option.env for option in OPTIONS]
+    # A removed option is no typo: removed_option_error() names it.
+    unknown = sorted(
+        k for k in environ if k.startswith(OPTION_PREFIX) and k not in known and k not in REMOVED
+    )
+    hints = []
+    for env in unknown:
+        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
+        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
+    return hints
 
 
 def removed_option_error(environ: Mapping[str, str]) -> ConfigError | None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Mapping
 
-from fd_cudagraph_plugin.options import OPTIONS, PluginOptions
+from fd_cudagraph_plugin.options import PluginOptions, unknown_options
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -29,27 +28,11 @@ _FORWARD_META_MODULE = "fastdeploy.model_executor.forward_meta"
 #: the value that means the same there: 2.4 routes only decode steps to the backend, and 0
 #: running requests makes the backend count them from seq_lens_this_time, as 2.5's own does.
 FORWARD_META_DEFAULTS = {"exist_prefill": False, "real_bsz": 0}
-OPTION_PREFIX = "FD_CUDAGRAPH_"
 
 _logged = False
 #: (class, name) pairs backfill_forward_meta added, so tests can take them away again.
 _backfilled: list[tuple[type, str]] = []
 _unknown_logged = False
-#: (class, name) pairs backfill_forward_meta added, so tests can take them away again.
-_backfilled: list[tuple[type, str]] = []
-
-
-def unknown_options(environ: Mapping[str, str]) -> list[str]:
-    """Set ``FD_CUDAGRAPH_*`` variables that are no option, each with the closest known name."""
-    import difflib
-
-    known = [option.env for option in OPTIONS]
-    unknown = sorted(k for k in environ if k.startswith(OPTION_PREFIX) and k not in known)
-    hints = []
-    for env in unknown:
-        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
-        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
-    return hints
 
 
 class _ToFastDeploy(logging.Handler):

@@ -218,3 +218,11 @@ def test_with_the_stand_in_fastdeploy_the_doctor_passes(tmp_path):
     done = _doctor_subprocess(tmp_path, pythonpath=str(STUB))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "OK    FastDeploy: FastDeploy 2.6.0 imports" in done.stdout
+
+
+def test_a_removed_option_fails_the_options_check_and_is_no_typo():
+    environ = {"FD_CUDAGRAPH_AR_REGISTRATION": "session"}
+    result = doctor.check_options(environ)
+    assert result.status == FAIL
+    assert "FD_CUDAGRAPH_AR_REGISTRATION was removed in fd-cudagraph-plugin 0.2" in result.detail
+    assert doctor.check_unknown_options(environ).status == OK

@@ -1,7 +1,7 @@
 """Paddle CUDA graphs. The only module that touches ``paddle.device.cuda.graphs``.
 
 Not exercised on the CPU-only machines this project is tested on: everything above this seam is
-tested against ``simulated.py``. See the README's "verified where" table.
+tested against ``simulated.py``; see docs/modes.md for what was verified where.
 """
 
 from __future__ import annotations
