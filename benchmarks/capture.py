@@ -9,7 +9,7 @@ It also measures what the session's ``gc.freeze()`` buys: a full ``gc.collect()`
 size of ``--heap-objects``, frozen and not (libraries such as PyTorch collect at every capture).
 
     python benchmarks/capture.py \
-        --fastdeploy-backend ../shared/seed/cudagraph_piecewise_backend.py.txt
+        --fastdeploy-backend PATH/TO/cudagraph_piecewise_backend.py
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Replay dispatch overhead: what the backend costs per call above a bare ``graph.replay()``.
 
 CPU only and repeatable: graphs are no-ops, so the figure is pure Python dispatch. With
-``--fastdeploy-backend PATH`` (for example ``../shared/seed/cudagraph_piecewise_backend.py.txt``)
-FastDeploy's own backend is loaded against the stand-in ``fastdeploy`` package under
-``tests/fastdeploy_stub`` and timed in the same run, on the same graphs and inputs.
+``--fastdeploy-backend PATH`` (FastDeploy's
+``fastdeploy/model_executor/graph_optimization/cudagraph_piecewise_backend.py``, from a FastDeploy
+checkout or an installed package) FastDeploy's own backend is loaded against the stand-in
+``fastdeploy`` package under ``tests/fastdeploy_stub`` and timed in the same run, on the same graphs
+and inputs.
 
     python benchmarks/dispatch.py \
-        --fastdeploy-backend ../shared/seed/cudagraph_piecewise_backend.py.txt
+        --fastdeploy-backend PATH/TO/cudagraph_piecewise_backend.py
 """
 
 from __future__ import annotations
