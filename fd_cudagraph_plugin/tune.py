@@ -295,15 +295,23 @@ def format_result(result: TuneResult) -> str:
             f"{result.max_size} {unit}, {result.eager_zero_tokens} steps with 0 tokens"
         )
     tuned, baseline = result.capture_sizes, result.baseline_capture_sizes
+    if result.baseline_padded_tokens:
+        change = f"{abs(result.reduction):.1%} {'fewer' if result.reduction >= 0 else 'more'}"
+    else:
+        change = "the same" if result.padded_tokens == 0 else "the default list pads none"
     lines += [
-        f"tuned   ({len(tuned)} graphs): {', '.join(map(str, tuned))}",
-        f"default ({len(baseline)} graphs, FastDeploy's list for max_num_seqs={result.max_size}): "
-        f"{', '.join(map(str, baseline))}",
+        f"tuned   ({_graphs(len(tuned))}): {', '.join(map(str, tuned))}",
+        f"default ({_graphs(len(baseline))}, FastDeploy's list for max_num_seqs="
+        f"{result.max_size}): {', '.join(map(str, baseline))}",
         f"padded tokens: tuned {result.padded_tokens} ({per_step(result.padded_tokens)}), "
         f"default {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
-        f"{abs(result.reduction):.1%} {'fewer' if result.reduction >= 0 else 'more'}",
+        f"{change}",
         "use: --graph-optimization-config "
         f"'{json.dumps(result.graph_optimization_config, separators=(', ', ': '))}'",
     ]
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
+
+
+def _graphs(count: int) -> str:
+    return f"{count} graph{'' if count == 1 else 's'}"

@@ -421,3 +421,13 @@ def test_the_stats_file_a_speculative_backend_writes_is_tuned_in_running_request
     result = tune(read_histogram([path]), max_graphs=2)
     assert result.num_speculative_tokens == 1
     assert result.capture_sizes == [4, 1]  # in requests (pads 2->4, 3->4: 7 slots; [4, 3]: 9)
+
+
+def test_the_report_never_says_fewer_when_the_default_pads_nothing(tmp_path):
+    from fd_cudagraph_plugin.tune import format_result
+
+    trace = tmp_path / "t.txt"
+    trace.write_text("1\n2\n4\n")
+    text = format_result(tune(read_histogram([trace]), max_graphs=1))
+    assert "tuned   (1 graph): 4" in text
+    assert "default 0 (0.000 per step), the default list pads none" in text
