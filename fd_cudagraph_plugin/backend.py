@@ -64,7 +64,7 @@ class CudaGraphBackend(Dispatch):
 
             self._static = StaticGraphDriver()
         self.capturer = Capturer(settings, self.runtime, pool_policy(settings), self._static)
-        self._by_running = settings.speculative
+        self._by_running = settings.keyed_by_running
         self._set_tables(Tables(settings), Counts(settings))
         self._guard_every = options.check_addresses
         self._warned: set[tuple[str, int]] = set()

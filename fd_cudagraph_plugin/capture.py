@@ -103,6 +103,8 @@ class Capturer:
         session: CaptureSession | None,
     ) -> None:
         """Warm up and capture ``entry``; raise ``CaptureError`` naming the size and the cause."""
+        if session is not None:
+            session.before_capture()
         if entry.phase == DECODE:
             self._check_order(entry.size)
         if self.pool is None and not static:
@@ -110,23 +112,28 @@ class Capturer:
         warmups = self._warmup_count(session)
         started = time.perf_counter()
         stage = "warm-up"
+        graph = result = None
         try:
             self._warm_up(runnable, kwargs, warmups)
             self.runtime.synchronize()
             # Measured around the capture alone: warm-ups may grow ordinary allocator memory.
             before = self.runtime.pool_bytes(self.pool)
             stage = "capture"
-            with allreduce.capture_context():
+            with allreduce.capture_context():  # its exit registers the buffers on every rank
                 if static:
                     self.static.capture(runnable, kwargs, entry.size)
                 else:
-                    entry.graph, entry.result = self.runtime.capture(
-                        lambda: runnable(**kwargs), self.pool
-                    )
-                    entry.replay = getattr(entry.graph, "replay_fn", entry.graph.replay)
-            entry.graph_bytes = self.runtime.pool_bytes(self.pool) - before
+                    graph, result = self.runtime.capture(lambda: runnable(**kwargs), self.pool)
+            graph_bytes = self.runtime.pool_bytes(self.pool) - before
         except Exception as error:
+            # Nothing of a failed capture is published: a graph whose all-reduce buffers were
+            # not registered must never replay.
+            if graph is not None:
+                graph.release()
             raise self._error(entry, static, stage, error) from error
+        if graph is not None:
+            entry.graph, entry.result, entry.replay = graph, result, graph.replay
+        entry.graph_bytes = graph_bytes
         entry.static_captured = static
         entry.capture_seconds = time.perf_counter() - started
         if entry.phase == DECODE:

@@ -40,11 +40,15 @@ class Dispatch:
     _token_keys: int
     _steps: list[int]
     _tokens: list[int]
+    # Set by the backend: shapes already warned about, and whether cudagraph_only_prefill saw a
+    # prefill-only step.
+    _warned: set[tuple[str, int]]
+    _saw_only_prefill_step: bool
 
     def __call__(self, **kwargs: Any) -> Any:
         meta = kwargs["forward_meta"]
         tokens = meta.ids_remove_padding.shape[0]
-        if tokens < self._token_keys:
+        if tokens < self._token_keys:  # 0 under speculative decoding: keyed by running requests
             entry = self._served[tokens]
             if (
                 entry is not None
@@ -67,7 +71,7 @@ class Dispatch:
             entry = self._served[running]
             if (
                 entry is not None
-                and tokens <= entry.size
+                and 0 < tokens <= entry.size  # real_bsz can be stale (overlap scheduling)
                 and not meta.exist_prefill
                 and not (self._guard_every and self._guard_due())
             ):
@@ -186,9 +190,10 @@ class Dispatch:
             counts.other_keys[key] += 1
         if reason != "prefill" and (reason, tokens) not in self._warned:
             self._warned.add((reason, tokens))
-            limit = (
-                self.settings.prefill_sizes[0] if reason == "oversized_prefill" else None
-            ) or self.settings.max_size
+            if reason == "oversized_prefill":
+                limit = self.settings.prefill_sizes[0]
+            else:
+                limit = self.settings.max_size
             logger.warning(
                 "CUDA graph backend %#x: %d tokens ran without a graph (%s); the largest "
                 "captured %s size is %d. Further steps of this shape are counted in stats() "

@@ -128,7 +128,7 @@ class Counts:
         settings = self.settings
         replays: Counter[int] = Counter()
         padded: Counter[int] = Counter()
-        tokens = list(self.tokens) if settings.speculative else None
+        tokens = list(self.tokens) if settings.keyed_by_running else None
         for key, n in enumerate(list(self.steps)):
             if n:
                 size = settings.key_table[key]

@@ -159,8 +159,8 @@ def backfill_forward_meta(cls: type) -> list[str]:
 
 def reset_for_tests() -> None:
     """Undo what register() did to process-wide state: log forwarding and ForwardMeta fields."""
-    global _logged
-    _logged = False
+    global _logged, _unknown_logged
+    _logged = _unknown_logged = False
     for handler in [h for h in logger.handlers if isinstance(h, _ToFastDeploy)]:
         logger.removeHandler(handler)
     logger.setLevel(logging.NOTSET)

@@ -20,7 +20,8 @@ Graphs are captured only inside a session: after the last one has ended, a size 
 time runs eagerly, because a capture on one tensor-parallel rank alone would hang the others.
 
 The session talks to backends only through ``Member``; backends use only the session's public
-methods (``active()``, ``warm_only``, ``note_warmups``, ``record``).
+surface (``active()``, ``sessions_ended()``, ``warm_only``, ``before_capture``, ``note_warmups``,
+``record``, ``self_check_failed``).
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ class CaptureSession:
         self.warm_only = False
         self._warmed: dict[tuple[int, str, int], int] = {}
         self._self_check_failures: list[tuple[Member, str, int, str]] = []
+        self._plan_checked = False
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
         self._unfreeze = False
@@ -227,12 +229,20 @@ class CaptureSession:
         gc.freeze()
         _active = self
         try:
-            self.check_plan()
+            if stats.live_backends():
+                self.check_plan()
         except BaseException:
             self._close()
             raise
         self.report.setup_seconds = time.perf_counter() - self._started
         return self
+
+    def before_capture(self) -> None:
+        """Called by each capture. Where the first backend was built inside the capture loop
+        (no profile run), no backend existed at ``__enter__``: the plan is checked here, before
+        the first capture's all-reduce registration, with the backends that exist now."""
+        if not self._plan_checked:
+            self.check_plan()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -312,6 +322,7 @@ class CaptureSession:
 
     def check_plan(self) -> None:
         """Every TP rank must plan the same captures; compare before the first one."""
+        self._plan_checked = True
         if self.exchange is None:
             return
         from fd_cudagraph_plugin import __version__

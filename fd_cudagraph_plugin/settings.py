@@ -109,14 +109,15 @@ class Settings:
         return self.dy2st and self.full_cuda_graph
 
     @property
-    def speculative(self) -> bool:
-        """True when the graph key is the running-request count (a non-empty bsz map)."""
+    def keyed_by_running(self) -> bool:
+        """True when graphs are keyed by running requests: a speculative method with a non-empty
+        ``real_bsz_to_captured_size`` (ngram on 2.5 and 2.6 has none and is keyed by tokens)."""
         return self.speculative_method is not None and any(self.bsz_table)
 
     @property
     def key_table(self) -> tuple[int, ...]:
         """Index = the hot path's key (token count, or running requests), value = graph size."""
-        return self.bsz_table if self.speculative else self.decode_table
+        return self.bsz_table if self.keyed_by_running else self.decode_table
 
     @property
     def max_size(self) -> int:

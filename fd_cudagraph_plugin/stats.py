@@ -141,12 +141,18 @@ def format_table(own: dict[str, Any], title: str) -> str:
 
 
 def log_summary(reason: str, backends: list[Any] | None = None) -> None:
-    """Log the table of each backend (every live one by default) that captured or fell back."""
-    for backend in live_backends() if backends is None else backends:
-        own = backend.stats()
-        if own["captures"] or own["eager_fallbacks"]:
-            title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
-            logger.info("%s", format_table(own, title))
+    """Log the table of each backend (every live one by default) that captured or fell back.
+    Never raises: it runs in ``clear_graph()``, which must release graphs whatever else fails."""
+    try:
+        for backend in live_backends() if backends is None else backends:
+            own = backend.stats()
+            if own["captures"] or own["eager_fallbacks"]:
+                title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
+                logger.info("%s", format_table(own, title))
+    except Exception:
+        if not output_failures["summary"]:
+            logger.exception("fd-cudagraph summary table failed; serving goes on")
+        output_failures["summary"] += 1
 
 
 class StatsFile:
@@ -163,7 +169,7 @@ class StatsFile:
     def __init__(self, path: str, settings: Any) -> None:
         self.path = output_path(path, settings)
         self.rank = settings.tp_rank
-        self.speculative = settings.speculative
+        self.by_running = settings.keyed_by_running
         self.method = settings.speculative_method
         self.k = settings.num_speculative_tokens
         self._written: dict[str, dict[int, int]] = {}
@@ -184,7 +190,7 @@ class StatsFile:
             "rank": self.rank,
             "backend": key,
         }
-        if self.speculative:
+        if self.by_running:
             line["speculative_method"] = self.method
             line["num_speculative_tokens"] = self.k
             line["running_request_counts"] = counts
@@ -218,7 +224,7 @@ def publish_metrics() -> None:
     if not metrics.enabled():
         return
     try:
-        metrics.publish(live_backends(), output_failures)
+        metrics.publish(live_backends(), dict(output_failures))  # a copy: writers may add keys
     except Exception as error:
         output_failed("FD_CUDAGRAPH_METRICS", metrics.destination(), error)
 

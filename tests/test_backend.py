@@ -290,3 +290,49 @@ def test_a_zero_token_speculative_step_runs_eagerly_instead_of_replaying_the_sma
     assert backend(**step).shape[0] == 0
     assert backend.stats()["replays"] == replays
     assert backend.stats()["eager_fallbacks"] == {"zero_tokens": 1}
+
+
+def test_a_zero_token_step_with_a_stale_running_count_runs_eagerly(sim):
+    config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    backend, _ = build(config)
+    buffers = Buffers()
+    capture_speculative(backend, buffers)
+    replays = backend.stats()["replays"]
+    step = buffers.step(0)
+    step["forward_meta"].real_bsz = 2  # cached from the last step under overlap scheduling
+    assert backend(**step).shape[0] == 0
+    assert backend.stats()["replays"] == replays
+
+
+def test_a_failed_all_reduce_registration_publishes_no_graph(sim, monkeypatch):
+    import contextlib
+
+    from fd_cudagraph_plugin import allreduce
+
+    @contextlib.contextmanager
+    def registration_fails():
+        yield
+        raise RuntimeError("all_gather_object over the TP group failed")
+
+    monkeypatch.setattr(allreduce, "capture_context", registration_fails)
+    backend, _ = build()
+    buffers = Buffers()
+    with pytest.raises(CaptureError, match="all_gather_object over the TP group failed"):
+        backend(**buffers.step(8))
+    entry = backend.decode_entries[8]
+    assert entry.graph is None and entry.replay is None and not entry.captured
+    assert backend.tables.served == [None] * 9 and sim.live_graphs == 0
+
+
+def test_clear_graph_releases_graphs_even_when_the_summary_fails(sim, monkeypatch):
+    from fd_cudagraph_plugin import stats
+
+    backend, _ = build()
+    capture_all(backend, Buffers())
+
+    def broken(*args, **kwargs):
+        raise ValueError("formatting broke")
+
+    monkeypatch.setattr(stats, "format_table", broken)
+    backend.clear_graph()
+    assert sim.live_graphs == 0

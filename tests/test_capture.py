@@ -89,7 +89,8 @@ class OneRankDiffers:
 def test_plan_check_diff_names_the_key_and_both_values(sim):
     config = make_config(8)
     model = TinyBackbone()
-    CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    assert session.stats.live_backends() == [backend]
     exchange = OneRankDiffers(warmup_policy="largest_only")
     expected = r"\. rank 1: warmup_policy: rank 0 'per_size' vs rank 1 'largest_only'\. Start"
     with (
@@ -262,3 +263,17 @@ def test_target_and_draft_capture_in_one_session_into_their_own_pools(plugin_reg
     assert target_backend.pool is not draft_backend.pool and sim.live_pools == 2
     target_backend.clear_graph()  # /v1/sleep clears the target only; its pool goes at once
     assert sim.live_pools == 1 and draft_backend.decode_entries[4].graph is not None
+
+
+def test_the_plan_is_checked_at_the_first_capture_when_no_backend_existed_at_the_start(sim):
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
+    exchange = OneRankDiffers(**{"backend0.capture_sizes": [4, 2]})
+    buffers = Buffers()
+    with session.CaptureSession("decode", exchange=exchange):
+        model = TinyBackbone()  # built inside capture_model(), as without a profile run
+        backend = CudaGraphBackend(
+            fd_config=config, dy_runnable=model.forward, runnable=model.forward
+        )
+        with pytest.raises(RankMismatchError, match=r"backend0.capture_sizes: rank 0 \[4, 2, 1\]"):
+            backend(**buffers.step(4))
+    assert backend.decode_entries[4].graph is None

@@ -80,7 +80,7 @@ def test_none_speculative_config_means_no_speculative_decoding():
     config = make_config(8)
     config.speculative_config = None
     settings = Settings.from_fd_config(config)
-    assert settings.speculative_method is None and not settings.speculative
+    assert settings.speculative_method is None and not settings.keyed_by_running
 
 
 def test_settings_are_frozen_and_sizes_descending():

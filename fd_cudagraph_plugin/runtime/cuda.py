@@ -31,13 +31,6 @@ class CudaGraph:
     def replay(self) -> None:
         self._graph.replay()
 
-    @property
-    def replay_fn(self):
-        """The innermost replay callable (Paddle's core graph), for the fast tables: two Python
-        frames fewer per decode step than ``replay``."""
-        core = getattr(self._graph, "_graph", None)
-        return core.replay if core is not None else self._graph.replay
-
     def release(self) -> None:
         graph, self._graph = self._graph, None
         if graph is not None:
