@@ -23,18 +23,22 @@ def cuda_graph_support() -> bool | None:
 
 
 class CudaGraph:
-    __slots__ = ("_graph",)
+    __slots__ = ("_graph", "replay")
 
     def __init__(self, graph: object) -> None:
         self._graph = graph
-
-    def replay(self) -> None:
-        self._graph.replay()
+        #: Paddle's own public ``CUDAGraph.replay``, bound once: no wrapper frame on the hot path.
+        self.replay = graph.replay
 
     def release(self) -> None:
         graph, self._graph = self._graph, None
+        self.replay = _released
         if graph is not None:
             graph.reset()
+
+
+def _released() -> None:
+    raise RuntimeError("replay of a released CUDA graph")
 
 
 class CudaRuntime:
