@@ -105,7 +105,8 @@ class Counts:
     of a key that its graph did not serve: run eagerly, or (speculative) replayed by token count,
     which ``by_tokens`` counts. ``prefill_steps`` counts static-split prefill replays by token
     count. Lists never change size, so another thread may read them while serving goes on; the
-    Counters are read through ``dict()`` copies, made without running other threads.
+    Counters are read through ``dict()`` copies, which CPython makes in one C call under the GIL,
+    so no insertion can interleave with the copy.
     """
 
     def __init__(self, settings: Settings) -> None:

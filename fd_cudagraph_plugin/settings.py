@@ -37,8 +37,8 @@ def _size_list(name: str, value: object, *, required: bool) -> tuple[int, ...]:
     bad = [v for v in value if not _is_int(v) or v < 0]
     if bad:
         raise ConfigError(
-            f"{name} must be positive integers; got {list(value)!r} (bad: {bad!r}). "
-            f"Remove or correct those entries."
+            f"{name} must be positive integers (a 0 is ignored); got {list(value)!r} "
+            f"(bad: {bad!r}). Remove or correct those entries."
         )
     sizes = tuple(sorted({v for v in value if v}, reverse=True))
     if required and not sizes:
