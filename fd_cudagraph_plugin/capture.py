@@ -86,7 +86,12 @@ class Capturer:
         self.pool = None
 
     def warm_only(
-        self, owner: Member, entry: GraphEntry, runnable: Callable, kwargs: dict, session: Any
+        self,
+        owner: Member,
+        entry: GraphEntry,
+        runnable: Callable,
+        kwargs: dict,
+        session: CaptureSession,
     ) -> Any:
         """The warm-only pass of ``warm_all_first``: warm up, capture nothing."""
         count = max(self.settings.num_warmups, 1)

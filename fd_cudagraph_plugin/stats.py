@@ -57,6 +57,14 @@ def output_failed(setting: str, path: str, error: BaseException) -> None:
         )
 
 
+def _failed_once(key: str, what: str) -> None:
+    """In an ``except`` block: log the traceback the first time ``key`` fails, count every time.
+    Observability never takes serving down."""
+    if not output_failures[key]:
+        logger.exception("fd-cudagraph %s failed; serving goes on", what)
+    output_failures[key] += 1
+
+
 class Ranks(Protocol):
     """Where a process sits in the deployment (``Settings`` is one)."""
 
@@ -150,9 +158,7 @@ def log_summary(reason: str, backends: list[Any] | None = None) -> None:
                 title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
                 logger.info("%s", format_table(own, title))
     except Exception:
-        if not output_failures["summary"]:
-            logger.exception("fd-cudagraph summary table failed; serving goes on")
-        output_failures["summary"] += 1
+        _failed_once("summary", "summary table")
 
 
 class StatsFile:
@@ -212,10 +218,8 @@ def flush_all() -> None:
     for backend in live_backends():
         try:
             backend.flush_stats()
-        except Exception:  # observability never takes serving down; say so once
-            if not output_failures["flush"]:
-                logger.exception("fd-cudagraph stats flush failed; serving goes on")
-            output_failures["flush"] += 1
+        except Exception:
+            _failed_once("flush", "stats flush")
 
 
 def publish_metrics() -> None:
@@ -252,10 +256,8 @@ class _Reporter(threading.Thread):
             if self.log:
                 try:
                     self._log_totals()
-                except Exception:  # a reporter that dies silently helps nobody; say it once
-                    if not output_failures["stats_log"]:
-                        logger.exception("fd-cudagraph periodic stats line failed")
-                    output_failures["stats_log"] += 1
+                except Exception:  # a reporter that dies silently helps nobody
+                    _failed_once("stats_log", "periodic stats line")
 
     @staticmethod
     def _log_totals() -> None:
