@@ -23,6 +23,6 @@ setup(
         "fastdeploy.model_register_plugins": [
             "fd_cudagraph_plugin = fd_cudagraph_plugin.plugin:register",
         ],
-        "console_scripts": ["fd-cudagraph = fd_cudagraph_plugin.cli:main"],
+        "console_scripts": ["fd-cudagraph = fd_cudagraph_plugin.tools.cli:main"],
     },
 )

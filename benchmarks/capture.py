@@ -35,8 +35,8 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
 )
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-from fd_cudagraph_plugin import capture, hooks, runtime, session  # noqa: E402
-from fd_cudagraph_plugin.backend import CudaGraphBackend  # noqa: E402
+from fd_cudagraph_plugin.core import capture, hooks, runtime, session  # noqa: E402
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend  # noqa: E402
 
 EAGER_SECONDS = 0.002
 

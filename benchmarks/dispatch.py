@@ -36,7 +36,7 @@ from fastdeploy.config import (  # noqa: E402
 )
 from fastdeploy.model_executor.forward_meta import ForwardMeta  # noqa: E402
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend  # noqa: E402
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend  # noqa: E402
 
 
 class NoopGraph:

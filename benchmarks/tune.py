@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fd_cudagraph_plugin.capture_rules import default_capture_sizes
-from fd_cudagraph_plugin.traces import read_histogram
-from fd_cudagraph_plugin.tune import tune
+from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes
+from fd_cudagraph_plugin.tools.traces import read_histogram
+from fd_cudagraph_plugin.tools.tune import tune
 
 
 def skewed(rng: random.Random, steps: int, top: int) -> list[int]:

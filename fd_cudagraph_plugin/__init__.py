@@ -12,7 +12,7 @@ __all__ = ["CudaGraphBackend", "register", "__version__"]
 
 def __getattr__(name: str):
     if name == "CudaGraphBackend":
-        from fd_cudagraph_plugin.backend import CudaGraphBackend
+        from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 
         return CudaGraphBackend
     if name == "register":

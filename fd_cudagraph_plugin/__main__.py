@@ -1,5 +1,5 @@
 import sys
 
-from fd_cudagraph_plugin.cli import main
+from fd_cudagraph_plugin.tools.cli import main
 
 sys.exit(main())

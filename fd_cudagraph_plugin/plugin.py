@@ -14,7 +14,7 @@ import inspect
 import logging
 import os
 
-from fd_cudagraph_plugin.options import PluginOptions, unknown_options
+from fd_cudagraph_plugin.core.options import PluginOptions, unknown_options
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -94,8 +94,8 @@ def register() -> None:
             )
         return
 
-    from fd_cudagraph_plugin import hooks
-    from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core import hooks
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 
     forward_meta = getattr(_import_or_none(_FORWARD_META_MODULE), "ForwardMeta", None)
     if forward_meta is not None:  # every release has it; a layout we do not know keeps its own

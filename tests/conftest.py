@@ -45,8 +45,15 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import (  # noqa: 
 )
 from paddle.jit.sot.psdb import in_sot  # noqa: E402
 
-from fd_cudagraph_plugin import capture, hooks, plugin, runtime, session, stats  # noqa: E402
-from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime  # noqa: E402
+from fd_cudagraph_plugin import plugin  # noqa: E402
+from fd_cudagraph_plugin.core import (  # noqa: E402
+    capture,
+    hooks,
+    runtime,
+    session,
+    stats,
+)
+from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
 VOCAB = 32

@@ -22,8 +22,8 @@ def main() -> int:
     assert os.environ["PROMETHEUS_MULTIPROC_DIR"]
     from conftest import Buffers, TinyBackbone, make_config
 
-    from fd_cudagraph_plugin import stats
-    from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core import stats
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
     config.parallel_config.tensor_parallel_rank = 1

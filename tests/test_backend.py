@@ -9,8 +9,8 @@ import paddle
 import pytest
 from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
 
 
 def build(config=None, outputs="tensor", **graph_args):
@@ -298,7 +298,7 @@ def test_a_zero_token_speculative_step_runs_eagerly(sim, running):
 def test_a_failed_all_reduce_registration_publishes_no_graph(sim, monkeypatch):
     import contextlib
 
-    from fd_cudagraph_plugin import allreduce
+    from fd_cudagraph_plugin.core import allreduce
 
     @contextlib.contextmanager
     def registration_fails():
@@ -316,7 +316,7 @@ def test_a_failed_all_reduce_registration_publishes_no_graph(sim, monkeypatch):
 
 
 def test_clear_graph_releases_graphs_even_when_the_summary_fails(sim, monkeypatch):
-    from fd_cudagraph_plugin import stats
+    from fd_cudagraph_plugin.core import stats
 
     backend, _ = build()
     capture_all(backend, Buffers())

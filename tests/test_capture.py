@@ -12,9 +12,9 @@ import pytest
 from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-from fd_cudagraph_plugin import capture, session
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import RankMismatchError
+from fd_cudagraph_plugin.core import capture, session
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.errors import RankMismatchError
 
 
 def runner_for(config, model_cls=DecoratedBackbone):

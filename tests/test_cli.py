@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fd_cudagraph_plugin import __version__
-from fd_cudagraph_plugin.cli import build_parser, main
+from fd_cudagraph_plugin.tools.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fd_cudagraph_plugin.demo import format_report, run_demo
+from fd_cudagraph_plugin.tools.demo import format_report, run_demo
 
 
 def test_demo_serves_every_step_equal_to_eager_on_the_simulated_runtime():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fd_cudagraph_plugin.options import OPTIONS
+from fd_cudagraph_plugin.core.options import OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from fastdeploy.model_executor.graph_optimization import graph_optimization_backend
 
-from fd_cudagraph_plugin import doctor
-from fd_cudagraph_plugin.cli import main
-from fd_cudagraph_plugin.doctor import FAIL, OK, WARN
-from fd_cudagraph_plugin.options import OPTIONS
+from fd_cudagraph_plugin.core.options import OPTIONS
 from fd_cudagraph_plugin.plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
+from fd_cudagraph_plugin.tools import doctor
+from fd_cudagraph_plugin.tools.cli import main
+from fd_cudagraph_plugin.tools.doctor import FAIL, OK, WARN
 
 STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
 READY = {"FD_PLUGINS": ENTRY_POINT_NAME, "FD_CUDAGRAPH_RUNTIME": "simulated"}

@@ -7,9 +7,9 @@ import logging
 import pytest
 from conftest import HIDDEN, Buffers, TinyBackbone, make_config
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.memory import pools_for
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.memory import pools_for
 
 
 def backend_for(config=None):

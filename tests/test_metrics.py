@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import Buffers, TinyBackbone, make_config
 
-from fd_cudagraph_plugin import metrics, stats
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.options import PluginOptions
+from fd_cudagraph_plugin.core import metrics, stats
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.options import PluginOptions
 
 prometheus_client = pytest.importorskip("prometheus_client")
 

@@ -25,8 +25,8 @@ from conftest import (
 from fastdeploy.platforms import current_platform
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
 
 MODES = {
     "dynamic": {},

@@ -10,9 +10,9 @@ import paddle
 import pytest
 from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
 
-from fd_cudagraph_plugin import stats
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.guards import AddressGuardError, SelfCheckError
+from fd_cudagraph_plugin.core import stats
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.guards import AddressGuardError, SelfCheckError
 
 
 def backend_for(model=None, config=None, **graph_args):
@@ -241,7 +241,7 @@ class OtherRankFailed:
 def test_tensor_parallel_ranks_agree_on_self_check_verdicts_at_the_end_of_the_session(
     sim, monkeypatch, mode
 ):
-    from fd_cudagraph_plugin import session
+    from fd_cudagraph_plugin.core import session
 
     monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", mode)
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
@@ -265,7 +265,7 @@ def test_tensor_parallel_ranks_agree_on_self_check_verdicts_at_the_end_of_the_se
 
 
 def test_a_self_check_failure_on_this_rank_is_shared_not_raised_alone(sim, monkeypatch):
-    from fd_cudagraph_plugin import session
+    from fd_cudagraph_plugin.core import session
 
     monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "warn")
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import Buffers, TinyBackbone, make_config
 
-from fd_cudagraph_plugin import doctor, plugin, session, stats
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin import plugin
+from fd_cudagraph_plugin.core import session, stats
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.tools import doctor
 
 PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
 

@@ -8,11 +8,11 @@ import json
 import pytest
 from conftest import make_config
 
-from fd_cudagraph_plugin.capture_rules import default_capture_sizes
-from fd_cudagraph_plugin.cli import main
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.plan import PlanInput, derive_plan, format_ranges
-from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes
+from fd_cudagraph_plugin.tools.cli import main
+from fd_cudagraph_plugin.tools.plan import PlanInput, derive_plan, format_ranges
 
 DEFAULT_128 = [128, 120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
 

@@ -18,8 +18,8 @@ from fastdeploy.plugins import model_register
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 from fd_cudagraph_plugin import plugin
-from fd_cudagraph_plugin.backend import CudaGraphBackend
-from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+from fd_cudagraph_plugin.core.errors import ConfigError
 
 NATIVE = cudagraph_piecewise_backend.CudaGraphPiecewiseBackend
 
@@ -198,7 +198,7 @@ def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim):
 
     from conftest import Buffers, TinyBackbone, capture_speculative
 
-    from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 
     @dataclass
     class ForwardMeta24:  # FastDeploy 2.4: no exist_prefill, no real_bsz

@@ -27,7 +27,7 @@ import importlib
 importlib.import_module(sys.argv[2])  # what the worker imports first loads the plugins
 from conftest import DecoratedBackbone, make_config
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
-from fd_cudagraph_plugin import session
+from fd_cudagraph_plugin.core import session
 
 plans = []
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import paddle
 import pytest
 
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.runtime import make_runtime
-from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.runtime import make_runtime
+from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
 
 def _captured_double(runtime, pool, source):
@@ -103,5 +103,5 @@ def test_only_the_cuda_runtime_module_touches_paddles_graph_api():
         for path in package.rglob("*.py")
         if _touches_graph_api(path.read_text(encoding="utf-8"))
     )
-    assert touching == ["runtime/cuda.py"]
+    assert touching == ["core/runtime/cuda.py"]
     assert _touches_graph_api("import paddle\npaddle.device.cuda.graphs.CUDAGraph()")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import make_config
 
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.options import PluginOptions
-from fd_cudagraph_plugin.settings import Settings
-from fd_cudagraph_plugin.sizes import padding_table
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.sizes import padding_table
 
 
 def _set(path: str, value):
@@ -184,7 +184,7 @@ def test_static_split_without_prefill_graphs_serves_prefill_eagerly_without_a_wa
 
     from conftest import Buffers, TinyBackbone
 
-    from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 
     config = make_config(8, graph_opt_level=1, full_cuda_graph=False)
     _set("graph_opt_config.max_capture_shape_prefill", 0)(config)

@@ -12,13 +12,13 @@ from collections import Counter
 import pytest
 from conftest import make_config
 
-from fd_cudagraph_plugin.capture_rules import default_capture_sizes, fastdeploy_bsz_map
-from fd_cudagraph_plugin.cli import main
-from fd_cudagraph_plugin.errors import ConfigError, TraceError
-from fd_cudagraph_plugin.settings import Settings
-from fd_cudagraph_plugin.stats import STATS_FORMAT, StatsFile
-from fd_cudagraph_plugin.traces import read_histogram
-from fd_cudagraph_plugin.tune import optimal_sizes, padded_tokens, tune
+from fd_cudagraph_plugin.core.errors import ConfigError, TraceError
+from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.stats import STATS_FORMAT, StatsFile
+from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
+from fd_cudagraph_plugin.tools.cli import main
+from fd_cudagraph_plugin.tools.traces import read_histogram
+from fd_cudagraph_plugin.tools.tune import optimal_sizes, padded_tokens, tune
 
 
 def _brute_force(histogram: dict[int, int], max_graphs: int, top: int) -> int:
@@ -402,7 +402,7 @@ def test_the_stats_file_a_speculative_backend_writes_is_tuned_in_running_request
     """End to end: the backend's own stats file under MTP, then tune, then FastDeploy's config."""
     from conftest import Buffers, TinyBackbone, capture_speculative
 
-    from fd_cudagraph_plugin.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 
     config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
     model = TinyBackbone()
@@ -424,7 +424,7 @@ def test_the_stats_file_a_speculative_backend_writes_is_tuned_in_running_request
 
 
 def test_the_report_never_says_fewer_when_the_default_pads_nothing(tmp_path):
-    from fd_cudagraph_plugin.tune import format_result
+    from fd_cudagraph_plugin.tools.tune import format_result
 
     trace = tmp_path / "t.txt"
     trace.write_text("1\n2\n4\n")

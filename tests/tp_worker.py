@@ -98,7 +98,7 @@ def _diverging_at_four() -> type:
     self-check fails at size 4 only (a nondeterministic kernel would, on one rank)."""
     from conftest import DecoratedBackbone
 
-    from fd_cudagraph_plugin.runtime import get_runtime
+    from fd_cudagraph_plugin.core.runtime import get_runtime
 
     runtime = get_runtime("simulated")
 
@@ -152,7 +152,7 @@ _exchanges: list[int] = []
 
 def _count_exchanges() -> None:
     """Note every exchange the plugin makes, so the test sees the real collective ran."""
-    from fd_cudagraph_plugin import session
+    from fd_cudagraph_plugin.core import session
 
     gather = session.PaddleExchange.all_gather
 
@@ -165,9 +165,9 @@ def _count_exchanges() -> None:
 
 
 def _run(name: str, rank: Rank) -> dict[str, Any]:
-    from fd_cudagraph_plugin import capture as capture_module
-    from fd_cudagraph_plugin import session
-    from fd_cudagraph_plugin.errors import CudaGraphPluginError
+    from fd_cudagraph_plugin.core import capture as capture_module
+    from fd_cudagraph_plugin.core import session
+    from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
 
     _exchanges.clear()
     try:

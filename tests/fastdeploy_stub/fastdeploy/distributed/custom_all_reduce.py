@@ -24,7 +24,7 @@ from typing import Any
 
 def _simulated_runtime_is_capturing() -> bool:
     try:
-        from fd_cudagraph_plugin import runtime
+        from fd_cudagraph_plugin.core import runtime
     except ImportError:
         return False
     return bool(getattr(runtime.get_runtime("simulated"), "capturing", False))

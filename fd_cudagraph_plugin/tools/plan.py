@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fd_cudagraph_plugin.capture_rules import (
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
+from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     DEFAULT_PREFILL_SIZES,
     MAX_NUM_SEQS,
@@ -41,8 +43,6 @@ from fd_cudagraph_plugin.capture_rules import (
     fastdeploy_bsz_map,
     fastdeploy_padding_map,
 )
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.sizes import padding_table, table_disagreements
 
 
 @dataclass(frozen=True)

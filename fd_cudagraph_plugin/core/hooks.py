@@ -13,8 +13,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin import session
-from fd_cudagraph_plugin.session import CaptureSession
+from fd_cudagraph_plugin.core import session
+from fd_cudagraph_plugin.core.session import CaptureSession
 
 _HOOKS = (("capture_model", "decode"), ("capture_model_prefill_and_mixed", "prefill"))
 # The runners with their own CUDA-graph capture loops: GPU (and its DCU and Iluvatar subclasses)

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from fd_cudagraph_plugin import stats
-from fd_cudagraph_plugin.errors import RankMismatchError
-from fd_cudagraph_plugin.options import PluginOptions
+from fd_cudagraph_plugin.core import stats
+from fd_cudagraph_plugin.core.errors import RankMismatchError
+from fd_cudagraph_plugin.core.options import PluginOptions
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -274,7 +274,7 @@ class CaptureSession:
             return
         summary = "; ".join(f"rank {rank}: {message}" for rank, _, _, _, message in failures)
         if self.options.self_check == "error":
-            from fd_cudagraph_plugin.errors import SelfCheckError
+            from fd_cudagraph_plugin.core.errors import SelfCheckError
 
             raise SelfCheckError(
                 f"CUDA graph self-check failed ({len(failures)} graph(s), every rank stops): "

@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from fd_cudagraph_plugin.capture_rules import SPEC_METHODS, SPLITWISE_ROLES
-from fd_cudagraph_plugin.errors import ConfigError, CudaGraphPluginError
+from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
+from fd_cudagraph_plugin.tools.capture_rules import SPEC_METHODS, SPLITWISE_ROLES
 
 DESCRIPTION = (
     "fd-cudagraph (also python -m fd_cudagraph_plugin): plan, tune and check the CUDA-graph "
@@ -50,7 +50,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from fd_cudagraph_plugin.demo import format_report, run_demo
+    from fd_cudagraph_plugin.tools.demo import format_report, run_demo
 
     # The demo prints the capture summary and the stats table itself; keep warnings only.
     logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
@@ -67,7 +67,7 @@ def _json(document: dict) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.plan import PlanInput, derive_plan, format_plan
+    from fd_cudagraph_plugin.tools.plan import PlanInput, derive_plan, format_plan
 
     plan = derive_plan(
         PlanInput(
@@ -93,8 +93,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.traces import read_histogram
-    from fd_cudagraph_plugin.tune import format_result, tune
+    from fd_cudagraph_plugin.tools.traces import read_histogram
+    from fd_cudagraph_plugin.tools.tune import format_result, tune
 
     if args.trace.count("-") > 1:
         raise ConfigError("standard input (-) can be given once among the trace files.")
@@ -106,7 +106,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.doctor import exit_code, format_results, run_checks
+    from fd_cudagraph_plugin.tools.doctor import exit_code, format_results, run_checks
 
     results = run_checks()
     if args.json:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from fd_cudagraph_plugin.sizes import padding_table
-from fd_cudagraph_plugin.stats import format_table
+from fd_cudagraph_plugin.core.sizes import padding_table
+from fd_cudagraph_plugin.core.stats import format_table
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32)
 
@@ -156,9 +156,9 @@ def run_demo(
 ) -> DemoReport:
     import paddle
 
-    from fd_cudagraph_plugin.backend import CudaGraphBackend
-    from fd_cudagraph_plugin.capture import CaptureSession
-    from fd_cudagraph_plugin.runtime import make_runtime
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.capture import CaptureSession
+    from fd_cudagraph_plugin.core.runtime import make_runtime
 
     sizes = sorted(set(sizes or DEFAULT_SIZES), reverse=True)
     if runtime_name is None:

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

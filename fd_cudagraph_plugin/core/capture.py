@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin import allreduce, stats
-from fd_cudagraph_plugin.entries import DECODE, GraphEntry
-from fd_cudagraph_plugin.errors import CaptureError, CaptureOrderError
-from fd_cudagraph_plugin.memory import pools_for
-from fd_cudagraph_plugin.runtime import GraphRuntime
-from fd_cudagraph_plugin.session import CaptureSession, Member
-from fd_cudagraph_plugin.settings import Settings
-from fd_cudagraph_plugin.static import StaticGraphDriver
+from fd_cudagraph_plugin.core import allreduce, stats
+from fd_cudagraph_plugin.core.entries import DECODE, GraphEntry
+from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError
+from fd_cudagraph_plugin.core.memory import pools_for
+from fd_cudagraph_plugin.core.runtime import GraphRuntime
+from fd_cudagraph_plugin.core.session import CaptureSession, Member
+from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -155,7 +155,7 @@ class Capturer:
         if not static:
             options = self.settings.options
             if options.check_addresses:
-                from fd_cudagraph_plugin import guards
+                from fd_cudagraph_plugin.core import guards
 
                 entry.addresses = guards.input_addresses(kwargs)
             if options.dump_dot:

@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.runtime import Graph
-from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.core.runtime import Graph
+from fd_cudagraph_plugin.core.settings import Settings
 
 DECODE = "decode"
 PREFILL = "prefill"

@@ -15,7 +15,7 @@ from typing import Any
 
 import paddle
 
-from fd_cudagraph_plugin.errors import AddressGuardError, SelfCheckError
+from fd_cudagraph_plugin.core.errors import AddressGuardError, SelfCheckError
 
 __all__ = [
     "AddressGuardError",

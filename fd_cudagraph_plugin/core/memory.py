@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import weakref
 
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.runtime import GraphRuntime
-from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.runtime import GraphRuntime
+from fd_cudagraph_plugin.core.settings import Settings
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 

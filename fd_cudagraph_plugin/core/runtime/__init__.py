@@ -54,10 +54,10 @@ class GraphRuntime(Protocol):
 def make_runtime(name: str) -> GraphRuntime:
     """Build the runtime named by ``FD_CUDAGRAPH_RUNTIME``."""
     if name == "simulated":
-        from fd_cudagraph_plugin.runtime.simulated import SimulatedRuntime
+        from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
         return SimulatedRuntime()
-    from fd_cudagraph_plugin.runtime.cuda import CudaRuntime
+    from fd_cudagraph_plugin.core.runtime.cuda import CudaRuntime
 
     return CudaRuntime()
 

@@ -20,14 +20,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin import allreduce, hooks, session, stats
-from fd_cudagraph_plugin.capture import Capturer, mark_warmed
-from fd_cudagraph_plugin.dispatch import Dispatch
-from fd_cudagraph_plugin.entries import DECODE, PREFILL, Counts, GraphEntry, Tables
-from fd_cudagraph_plugin.errors import CaptureIncompleteError, ConfigError, SelfCheckError
-from fd_cudagraph_plugin.memory import pool_policy
-from fd_cudagraph_plugin.runtime import GraphRuntime, get_runtime
-from fd_cudagraph_plugin.settings import Settings
+from fd_cudagraph_plugin.core import allreduce, hooks, session, stats
+from fd_cudagraph_plugin.core.capture import Capturer, mark_warmed
+from fd_cudagraph_plugin.core.dispatch import Dispatch
+from fd_cudagraph_plugin.core.entries import DECODE, PREFILL, Counts, GraphEntry, Tables
+from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError, SelfCheckError
+from fd_cudagraph_plugin.core.memory import pool_policy
+from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
+from fd_cudagraph_plugin.core.settings import Settings
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -60,7 +60,7 @@ class CudaGraphBackend(Dispatch):
         self.runtime = runtime if runtime is not None else get_runtime(options.runtime)
         self._static = None
         if settings.dy2st:
-            from fd_cudagraph_plugin.static import StaticGraphDriver
+            from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
             self._static = StaticGraphDriver()
         self.capturer = Capturer(settings, self.runtime, pool_policy(settings), self._static)
@@ -78,7 +78,7 @@ class CudaGraphBackend(Dispatch):
             self._stats_file = stats.StatsFile(options.stats_file, settings)
         stats.register_backend(self)
         if options.metrics:
-            from fd_cudagraph_plugin import metrics
+            from fd_cudagraph_plugin.core import metrics
 
             metrics.enable()
         hooks.install_runner_hooks()
@@ -187,7 +187,7 @@ class CudaGraphBackend(Dispatch):
         return self._static_full_decode == "static"
 
     def _self_check(self, entry: GraphEntry, kwargs: dict) -> None:
-        from fd_cudagraph_plugin import guards
+        from fd_cudagraph_plugin.core import guards
 
         message = guards.self_check(entry, lambda: self.dy_runnable(**kwargs))
         if message is None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import paddle
 
-from fd_cudagraph_plugin.errors import ConfigError
+from fd_cudagraph_plugin.core.errors import ConfigError
 
 
 def cuda_graph_support() -> bool | None:

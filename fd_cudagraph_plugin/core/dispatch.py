@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fd_cudagraph_plugin.entries import PREFILL, Counts, GraphEntry, Tables
-from fd_cudagraph_plugin.settings import Settings
-from fd_cudagraph_plugin.static import StaticGraphDriver
+from fd_cudagraph_plugin.core.entries import PREFILL, Counts, GraphEntry, Tables
+from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -164,7 +164,7 @@ class Dispatch:
     def _run_graph(self, entry: GraphEntry, key: int | None, tokens: int, kwargs: dict) -> Any:
         """Replay ``entry`` for a step of ``tokens`` tokens, counted under ``key``."""
         if entry.addresses and self._guard_every:
-            from fd_cudagraph_plugin import guards
+            from fd_cudagraph_plugin.core import guards
 
             guards.check_addresses(entry.addresses, kwargs, entry.size)
         counts = self.counts

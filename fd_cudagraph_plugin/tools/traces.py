@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from fd_cudagraph_plugin.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS
-from fd_cudagraph_plugin.errors import TraceError
-from fd_cudagraph_plugin.stats import STATS_FORMAT
+from fd_cudagraph_plugin.core.errors import TraceError
+from fd_cudagraph_plugin.core.stats import STATS_FORMAT
+from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS
 
 _HEX_ID = re.compile(r"(0x)?[0-9a-fA-F]+")
 _DIGITS = re.compile(r"[0-9]+")

@@ -17,7 +17,7 @@ import weakref
 from collections import Counter
 from typing import Any, Protocol
 
-from fd_cudagraph_plugin import metrics
+from fd_cudagraph_plugin.core import metrics
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 

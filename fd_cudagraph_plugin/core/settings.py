@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.options import PluginOptions
-from fd_cudagraph_plugin.sizes import padding_table, table_disagreements
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
 
 _GRAPH_CONFIG_FIX = "set it in --graph-optimization-config"
 

@@ -14,8 +14,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from fd_cudagraph_plugin.errors import ConfigError
-from fd_cudagraph_plugin.options import (
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.options import (
     OPTION_PREFIX,
     OPTIONS,
     read_option,
@@ -207,7 +207,7 @@ def check_cuda_graphs(environ: Mapping[str, str]) -> CheckResult:
     """Paddle reports CUDA graphs as supported on this build and device."""
     name = "CUDA graphs"
     try:
-        from fd_cudagraph_plugin.runtime.cuda import cuda_graph_support
+        from fd_cudagraph_plugin.core.runtime.cuda import cuda_graph_support
 
         supported = cuda_graph_support()
     except Exception as error:

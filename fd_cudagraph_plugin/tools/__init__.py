@@ -1,0 +1,1 @@
+"""The ``fd-cudagraph`` tools: plan, tune, doctor, demo. Never imported by ``core``."""
