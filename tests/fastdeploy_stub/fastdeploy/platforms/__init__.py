@@ -28,5 +28,21 @@ class Platform:
     def is_maca(self) -> bool:
         return self._name() == "maca"
 
+    # The rest of the predicates every release's Platform has.
+    def is_dcu(self) -> bool:
+        return self._name() == "dcu"
+
+    def is_gcu(self) -> bool:
+        return self._name() == "gcu"
+
+    def is_npu(self) -> bool:
+        return self._name() == "npu"
+
+    def is_intel_hpu(self) -> bool:
+        return self._name() == "intel_hpu"
+
+    def is_cpu(self) -> bool:
+        return self._name() == "cpu"
+
 
 current_platform = Platform()

@@ -36,16 +36,23 @@ class MTPProposer:
         self.num_model_steps = spec.num_model_steps
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.draft_model_use_cudagraph = fd_config.graph_opt_config.draft_model_use_cudagraph
-        max_num_seqs = fd_config.scheduler_config.max_num_seqs
-        length = max(
-            fd_config.get_max_chunk_tokens(), max_num_seqs * (spec.num_speculative_tokens + 1)
+        self._max_num_seqs = fd_config.scheduler_config.max_num_seqs
+        self._length = max(
+            fd_config.get_max_chunk_tokens(),
+            self._max_num_seqs * (spec.num_speculative_tokens + 1),
         )
-        self.model_inputs = {
-            "ids": paddle.zeros([length], dtype="int64"),
-            "target_hidden_states": paddle.zeros([length, hidden], dtype="float32"),
-            "seq_lens_this_time_buffer": paddle.zeros([max_num_seqs], dtype="int32"),
-        }
+        self._hidden = hidden
+        self.reset_model_inputs()
         self.steps: list[dict[str, Any]] = []
+
+    def reset_model_inputs(self) -> None:
+        """New input tensors (upstream's ``reset_model_inputs`` on 2.5+ builds them with
+        ``paddle.full`` / ``paddle.clone``): a graph captured on the old ones reads stale memory."""
+        self.model_inputs = {
+            "ids": paddle.zeros([self._length], dtype="int64"),
+            "target_hidden_states": paddle.zeros([self._length, self._hidden], dtype="float32"),
+            "seq_lens_this_time_buffer": paddle.zeros([self._max_num_seqs], dtype="int32"),
+        }
 
     def _flag(self, step_use_cudagraph: bool, substep: int, is_dummy_run: bool) -> bool:
         flag = step_use_cudagraph and self.draft_model_use_cudagraph

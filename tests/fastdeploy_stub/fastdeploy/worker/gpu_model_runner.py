@@ -276,9 +276,54 @@ class GPUModelRunner:
         return self._run(token_count, seq_lens, exist_prefill, flag, bsz, dummy=False, ids=ids)
 
     def clear_graph_opt_backend(self) -> None:
-        """What ``clear_parameters``/``sleep`` do: the target, and the draft when it is graphed."""
+        """The target's graphs, and the draft's when it is graphed (2.6+ ``clear_parameters``)."""
+        self._clear_target_graphs()
+        if self.proposer is not None and self.proposer.draft_model_use_cudagraph:
+            self.proposer.clear_graph_opt_backend()
+
+    def _clear_target_graphs(self) -> None:
         from fastdeploy.model_executor.graph_optimization.decorator import clear_method_name
 
         getattr(self.model, clear_method_name(_stub_version.current()))(fd_config=self.fd_config)
-        if self.proposer is not None and self.proposer.draft_model_use_cudagraph:
-            self.proposer.clear_graph_opt_backend()
+
+    # -- RL weight updates, sleep and wake-up (gpu_model_runner.py per release) ------------
+    def clear_parameters(self, pid: int = 0) -> None:
+        """Drop graphs before new weights: the draft's too from 2.6 (when it is graphed); 2.4
+        and 2.5 clear the target's only."""
+        if _stub_version.at_least("2.6"):
+            self.clear_graph_opt_backend()
+        else:
+            self._clear_target_graphs()
+
+    def update_parameters(self, pid: int = 0) -> None:
+        """New weights are in: reset the inputs (2.5+), then capture again."""
+        if _stub_version.at_least("2.5"):
+            self._reset_inputs()
+        self.capture_model()
+
+    def sleep(self, tags: str = "weight,kv_cache") -> None:
+        """``/v1/sleep`` (2.5+): "weight" clears the target's graphs only, not the draft's."""
+        if not _stub_version.at_least("2.5"):
+            raise AttributeError(
+                "'GPUModelRunner' object has no attribute 'sleep' (FastDeploy 2.4)"
+            )
+        if "weight" in tags.split(","):
+            self._clear_target_graphs()
+
+    def wakeup(self, tags: str = "weight,kv_cache") -> None:
+        """``/v1/wakeup`` (2.5+): reset the inputs (the proposer's are made anew), capture again."""
+        if not _stub_version.at_least("2.5"):
+            raise AttributeError(
+                "'GPUModelRunner' object has no attribute 'wakeup' (FastDeploy 2.4)"
+            )
+        if "weight" in tags.split(","):
+            self._reset_inputs()
+            self.capture_model()
+
+    def _reset_inputs(self) -> None:
+        # The target's share_inputs are filled in place (reset_share_inputs); the proposer's
+        # reset_model_inputs builds new tensors (paddle.full / paddle.clone): new addresses.
+        self.share_inputs["ids"][:] = 0
+        self.share_inputs["seq_lens_this_time"][:] = 0
+        if self.proposer is not None:
+            self.proposer.reset_model_inputs()
