@@ -1,4 +1,4 @@
-"""Capture-session time per size: FastDeploy's backend against the plugin's warm-up policies.
+"""Capture-session time per size: FastDeploy's backend against the plugin's.
 
 CPU and repeatable. The model's eager forward has a fixed cost (``--eager-ms``, a sleep), graphs
 are no-ops to replay, and FastDeploy's own ``capture_model()`` loop (the stand-in runner under
@@ -35,7 +35,7 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
 )
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-from fd_cudagraph_plugin.core import capture, hooks, runtime, session  # noqa: E402
+from fd_cudagraph_plugin.core import hooks, runtime, worker  # noqa: E402
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend  # noqa: E402
 
 EAGER_SECONDS = 0.002
@@ -71,13 +71,11 @@ def time_capture(backend_class, max_num_seqs: int) -> tuple[float, float, int]:
     model = FixedCostBackbone(fd_config=config)
     runner = GPUModelRunner(config, model)
     runner.profile_run()
-    session.reset_for_tests()
-    capture.reset_for_tests()
-    capture.mark_warmed()  # as after FastDeploy's profile run
+    worker.reset_for_tests()
     started = time.perf_counter()
     runner.capture_model()
     elapsed = time.perf_counter() - started
-    hooks.uninstall_runner_hooks()
+    hooks.uninstall()
     report = getattr(model.graph_opt_backend.cudagraph_piecewise_backend, "capture_report", None)
     setup = report.setup_seconds if report is not None else 0.0
     return elapsed, setup, len(config.graph_opt_config.cudagraph_capture_sizes)
@@ -104,28 +102,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--eager-ms", type=float, default=2.0)
     parser.add_argument("--heap-objects", type=int, default=2_000_000)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians shown")
     args = parser.parse_args(argv)
     EAGER_SECONDS = args.eager_ms / 1e3
 
     os.environ["FD_CUDAGRAPH_RUNTIME"] = "simulated"
     # Captures by running once; a replay costs the host little on a GPU, and nothing here.
     runtime.install_runtime(NoopRuntime(), name="simulated")
-    rows = []
+    backends = {}
     if args.fastdeploy_backend is not None:
         native = load_fastdeploy_backend(args.fastdeploy_backend)
         native.graphs = type("graphs", (), {"CUDAGraph": NoopCudaGraph})
         paddle.device.synchronize = lambda *a, **k: None  # CPU Paddle refuses; a GPU would wait
-        timing = time_capture(native.CudaGraphPiecewiseBackend, args.max_num_seqs)
-        rows.append(("FastDeploy backend", *timing))
-    for policy in ("per_size", "largest_only", "warm_all_first"):
-        os.environ["FD_CUDAGRAPH_WARMUP"] = policy
-        timing = time_capture(CudaGraphBackend, args.max_num_seqs)
-        rows.append((f"plugin, FD_CUDAGRAPH_WARMUP={policy}", *timing))
+        backends["FastDeploy backend"] = native.CudaGraphPiecewiseBackend
+    backends["fd-cudagraph-plugin"] = CudaGraphBackend
+    # Interleaved rounds, medians: load that comes and goes hits both alike.
+    timings: dict[str, list[tuple[float, float, int]]] = {name: [] for name in backends}
+    for _ in range(args.rounds):
+        for name, cls in backends.items():
+            timings[name].append(time_capture(cls, args.max_num_seqs))
+    rows = []
+    for name, runs in timings.items():
+        runs.sort()
+        rows.append((name, *runs[len(runs) // 2]))
 
     print(
         f"capture_model() over {rows[0][3]} sizes (max_num_seqs={args.max_num_seqs}), "
         f"eager forward {args.eager_ms:g} ms, 2 warm-ups per size (FastDeploy's default).\n"
-        f"Per size excludes the session's one-off setup (GC freeze, plan exchange), shown apart."
+        f"Median of {args.rounds} interleaved rounds. Per size excludes the session's one-off "
+        f"setup (GC freeze, plan agreement), shown apart."
     )
     reference = (rows[0][1] - rows[0][2]) / rows[0][3]
     for name, elapsed, setup, sizes in rows:

@@ -54,6 +54,7 @@ class NoopRuntime:
 
     name = "noop"
     real_graphs = False
+    warmed = True  # as after FastDeploy's profile run
 
     def new_pool(self) -> object:
         return None

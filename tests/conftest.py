@@ -46,13 +46,7 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import (  # noqa: 
 from paddle.jit.sot.psdb import in_sot  # noqa: E402
 
 from fd_cudagraph_plugin import plugin  # noqa: E402
-from fd_cudagraph_plugin.core import (  # noqa: E402
-    capture,
-    hooks,
-    runtime,
-    session,
-    stats,
-)
+from fd_cudagraph_plugin.core import hooks, runtime, stats, worker  # noqa: E402
 from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
@@ -78,8 +72,7 @@ def _isolated_environment(monkeypatch):
     native = cudagraph_piecewise_backend.CudaGraphPiecewiseBackend
     saved_runtimes = dict(runtime._RUNTIMES)
     saved_tp_ar = communication._TP_AR
-    capture.reset_for_tests()
-    session.reset_for_tests()
+    worker.reset_for_tests()
     # SOT caches generated code per function code object, process-wide: models built by earlier
     # tests would count as FastDeploy's "multiple generated code" (a worker has one model).
     OpcodeExecutorCache().clear()
@@ -92,11 +85,9 @@ def _isolated_environment(monkeypatch):
     communication._TP_AR = saved_tp_ar
     plugin.reset_for_tests()
     current_platform.device_name = None
-    hooks.uninstall_runner_hooks()
-    session.reset_for_tests()
-    capture.reset_for_tests()
+    hooks.uninstall()
     stats.stop_reporter()
-    stats.forget_backends_for_tests()
+    worker.reset_for_tests()
 
 
 @pytest.fixture(params=FD_VERSIONS)
@@ -199,15 +190,30 @@ class TinyBackbone(paddle.nn.Layer):
             # would generate new code ("Model has multiple generated code").
             self.calls += 1
         hidden = paddle.tanh(self.proj(self.embed(ids_remove_padding)))
-        if communication._TP_AR is not None:
+        if communication._TP_AR is not None and not in_sot():
             # A tensor-parallel model sums its row-parallel output: NaN if this runs inside the
             # custom all-reduce capture context outside a stream capture (a warm-up there).
+            # FastDeploy registers the all-reduce as a custom Python op, one op to SOT; the
+            # stand-in's is plain Python, so SOT-translated programs skip it (the identity on
+            # one simulated rank; Paddle-managed captures are no stream capture to it anyway).
             hidden = communication.tensor_model_parallel_all_reduce(hidden)
         if self.outputs == "list_with_none":
             return [hidden, None, hidden * 2.0]
         if self.outputs == "single_list":
             return [hidden]
         return hidden
+
+
+class MixingBackbone(TinyBackbone):
+    """Rows interact: each output row also carries the mean of every row of the step, so the
+    graph of any other size than the one the step pads to gives other numbers. (With a token-wise
+    model any graph at least as large as the step passes, so a wrong lookup stays invisible.)"""
+
+    def forward(self, ids_remove_padding: paddle.Tensor, forward_meta):
+        hidden = super().forward(ids_remove_padding, forward_meta)
+        if self.outputs != "tensor":
+            return hidden
+        return hidden + paddle.mean(hidden, axis=0, keepdim=True)
 
 
 @support_graph_optimization
@@ -224,9 +230,24 @@ class DraftBackbone(TinyBackbone):
         if not in_sot():
             self.calls += 1
         hidden = paddle.tanh(self.proj(self.embed(ids_remove_padding) + previous_hidden_states))
-        if communication._TP_AR is not None:
+        if communication._TP_AR is not None and not in_sot():
             hidden = communication.tensor_model_parallel_all_reduce(hidden)
         return hidden
+
+
+@support_graph_optimization
+class DecoratedMixing(MixingBackbone):
+    """The row-mixing backbone behind ``@support_graph_optimization``."""
+
+
+def expected_graph_size(settings, tokens: int, running: int = 0) -> int:
+    """The size of the graph that should serve a decode step: FastDeploy's running-request map
+    under speculative decoding when the step fits it, else padding by token count."""
+    if settings.keyed_by_running and 0 < running < len(settings.bsz_table):
+        size = settings.bsz_table[running]
+        if size and tokens <= size:
+            return size
+    return settings.decode_table[tokens]
 
 
 @support_graph_optimization
@@ -261,6 +282,46 @@ class Buffers:
             self.ids[:tokens] = values
         view = self.ids[:tokens]
         return {"ids_remove_padding": view, "forward_meta": meta_for(view)}
+
+    def padded(self, size: int) -> dict:
+        """What a graph of ``size`` reads: the first ``size`` rows of the buffer as they are."""
+        view = self.ids[:size]
+        return {"ids_remove_padding": view, "forward_meta": meta_for(view)}
+
+
+class PeerLink:
+    """An agreement link for one process acting as ``rank`` of ``world``: the other ranks' statuses
+    come from ``peer(rank, label, status)`` (by default the same as this rank's)."""
+
+    def __init__(self, rank: int = 0, world: int = 2, peer=None) -> None:
+        self.rank, self.world = rank, world
+        self.peer = peer or (lambda other, label, status: status)
+        self.labels: list[str] = []
+        self.posted: list[tuple[str, object]] = []
+
+    def next_epoch(self) -> int:
+        return 0
+
+    def agree(self, label, status, timeout):
+        from fd_cudagraph_plugin.core.agreement import Outcome
+
+        self.labels.append(label)
+        self.posted.append((label, status))
+        statuses = {
+            r: status if r == self.rank else self.peer(r, label, status) for r in range(self.world)
+        }
+        return Outcome(label, statuses)
+
+
+def served_by(backend, step: dict):
+    """Run ``step`` through ``backend``; return its output and the size of the graph that
+    served it (None: it ran eagerly), read from the backend's own replay counters."""
+    before = dict(backend.stats()["replays"])
+    out = backend(**step)
+    after = backend.stats()["replays"]
+    grown = [size for size, n in after.items() if n != before.get(size, 0)]
+    assert len(grown) <= 1, f"one step replayed several graphs: {grown}"
+    return out, (grown[0] if grown else None)
 
 
 @support_graph_optimization

@@ -23,7 +23,9 @@ def main() -> int:
     from conftest import Buffers, TinyBackbone, make_config
 
     from fd_cudagraph_plugin.core import stats
+    from fd_cudagraph_plugin.core.agreement import LocalLink
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.session import CaptureSession
 
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
     config.parallel_config.tensor_parallel_rank = 1
@@ -32,8 +34,10 @@ def main() -> int:
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     buffers = Buffers()
-    for size in backend.cudagraph_capture_sizes:
-        backend(**buffers.step(size))
+    # capture_model(): a session of this rank alone (the rank agreement is test_collective's).
+    with CaptureSession("decode", fd_config=config, link=LocalLink()):
+        for size in backend.cudagraph_capture_sizes:
+            backend(**buffers.step(size))
     for tokens in (3, 3, 1, 0, 6):
         backend(**buffers.step(tokens))
     stats.publish_metrics()  # what the reporter thread runs every few seconds

@@ -1,4 +1,9 @@
-"""Dynamic-mode dispatch: padding, capture, replay, fallbacks, lifecycle (simulated runtime)."""
+"""Dynamic-mode dispatch: padding, capture, replay, fallbacks, lifecycle (simulated runtime).
+
+The model's rows interact (``MixingBackbone``), so a step served by a graph of another size than
+the one it pads to gives other numbers; every replay is compared with eager at the padded size,
+and each test says which graph served each step.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,15 @@ import sys
 
 import paddle
 import pytest
-from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
+from conftest import Buffers, MixingBackbone, capture_speculative, make_config, served_by
 
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
-from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, CaptureOrderError
+from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError
 
 
 def build(config=None, outputs="tensor", **graph_args):
     config = config or make_config(8, **graph_args)
-    model = TinyBackbone(outputs=outputs)
+    model = MixingBackbone(outputs=outputs)
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
     return backend, model
 
@@ -25,21 +30,28 @@ def capture_all(backend, buffers):
         backend(**buffers.step(size))
 
 
-def eager(model, step):
-    return model.forward(**step)
+def padded_eager(model, buffers, size):
+    return model.forward(**buffers.padded(size))
 
 
-def test_replay_equals_eager_on_every_padded_shape(sim):
+def test_the_model_tells_a_wrong_graph_size_from_the_right_one():
+    model, buffers = MixingBackbone(), Buffers()
+    buffers.step(8, seed=1)
+    buffers.step(3, seed=2)
+    right = padded_eager(model, buffers, 4)[:3]
+    assert not paddle.allclose(right, padded_eager(model, buffers, 8)[:3]).item()
+    assert not paddle.allclose(right, model.forward(**buffers.step(3, seed=2))).item()
+
+
+def test_each_step_is_served_by_the_graph_of_the_size_it_pads_to(sim):
     backend, model = build()
     buffers = Buffers()
     capture_all(backend, buffers)
     assert backend.cudagraph_capture_sizes == [8, 4, 2, 1]
-    for tokens in range(1, 9):
-        step = buffers.step(tokens, seed=tokens)
-        out = backend(**step)
-        padded = backend.settings.decode_table[tokens]
-        assert out.shape[0] == padded
-        assert paddle.allclose(out[:tokens], eager(model, step)).item()
+    for tokens, size in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (7, 8), (8, 8)):
+        out, served = served_by(backend, buffers.step(tokens, seed=tokens))
+        assert served == size and out.shape[0] == size
+        assert paddle.allclose(out, padded_eager(model, buffers, size)).item()
 
 
 def test_replay_returns_the_same_output_objects_in_graph_memory(sim):
@@ -57,13 +69,17 @@ def test_replay_reads_captured_inputs_not_new_tensors(sim):
     backend, model = build()
     buffers = Buffers()
     capture_all(backend, buffers)
-    captured = buffers.step(4, seed=3)
-    expected_from_buffer = eager(model, captured).clone()
+    buffers.step(4, seed=3)
+    expected_from_buffer = padded_eager(model, buffers, 4).clone()
     swapped = paddle.full([4], 5, dtype="int64")  # a new tensor: a new address on a GPU
-    out = backend(ids_remove_padding=swapped, forward_meta=meta_for(swapped))
+    step = {"ids_remove_padding": swapped, "forward_meta": buffers.step(0)["forward_meta"]}
+    step["forward_meta"].ids_remove_padding = swapped
+    out, served = served_by(backend, step)
+    assert served == 4
     assert paddle.allclose(out, expected_from_buffer).item()
-    from_swapped = eager(model, {"ids_remove_padding": swapped, "forward_meta": None})
-    assert not paddle.allclose(out, from_swapped).item()
+    assert not paddle.allclose(
+        out, model.forward(ids_remove_padding=swapped, forward_meta=None)
+    ).item()
 
 
 @pytest.mark.parametrize("outputs", ["list_with_none", "single_list"])
@@ -71,28 +87,29 @@ def test_list_outputs_keep_their_structure_and_none_entries(sim, outputs):
     backend, model = build(outputs=outputs)
     buffers = Buffers()
     capture_all(backend, buffers)
-    step = buffers.step(3, seed=4)
-    out = backend(**step)
-    expected = eager(model, step)
-    assert isinstance(out, list) and len(out) == len(expected)
+    out, served = served_by(backend, buffers.step(3, seed=4))
+    expected = padded_eager(model, buffers, 4)
+    assert served == 4 and isinstance(out, list) and len(out) == len(expected)
     for got, want in zip(out, expected, strict=True):
         if want is None:
             assert got is None
         else:
-            assert paddle.allclose(got[:3], want).item()
+            assert paddle.allclose(got, want).item()
 
 
 def test_fallbacks_are_counted_by_reason_and_warned_once_per_shape(sim, caplog):
-    backend, _ = build()
+    backend, model = build()
     buffers = Buffers()
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
-        not_captured = backend(**buffers.step(3))  # pads to 4, never captured: eager
+        not_captured, served = served_by(backend, buffers.step(3))  # pads to 4: never captured
         backend(**buffers.step(3))
-        backend(**buffers.step(9))
+        oversized = backend(**buffers.step(9, seed=1))
         zero = backend(**buffers.step(0))
+    assert served is None
     fallbacks = backend.stats()["eager_fallbacks"]
     assert fallbacks == {"not_captured": 2, "oversized_decode": 1, "zero_tokens": 1}
     assert not_captured.shape[0] == 3 and zero.shape[0] == 0
+    assert paddle.allclose(oversized, model.forward(**buffers.step(9, seed=1))).item()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 3
     assert any("3 tokens ran without a graph (not captured)" in w for w in warnings)
@@ -106,7 +123,7 @@ def test_stats_count_replays_and_padded_tokens_per_size(sim):
     for tokens in (3, 3, 5, 8, 1):
         backend(**buffers.step(tokens))
     stats = backend.stats()
-    # Each capture ends with a replay too.
+    # Outside a capture session each capture served its step too.
     assert stats["replays"] == {1: 2, 2: 1, 4: 3, 8: 3}
     assert stats["padded_tokens_per_size"] == {4: 2, 8: 3}
     assert stats["padded_tokens"] == 5
@@ -114,32 +131,35 @@ def test_stats_count_replays_and_padded_tokens_per_size(sim):
     assert set(stats["capture_seconds"]) == {1, 2, 4, 8}
 
 
-def test_warmups_run_outside_the_allreduce_context_and_capture_inside(sim, recording_ar):
+def test_warmups_run_outside_the_allreduce_capture_state_and_capture_inside(sim, recording_ar):
     config = make_config(8, cudagraph_num_of_warmups=3)
     seen = []
-    model = TinyBackbone()
+    model = MixingBackbone()
 
     def forward(**kwargs):
         seen.append(recording_ar.capturing)
         return model.forward(**kwargs)
 
     backend = CudaGraphBackend(fd_config=config, dy_runnable=forward, runnable=forward)
-    buffers = Buffers()
-    backend(**buffers.step(8))
+    backend(**Buffers().step(8))
     # 3 eager warm-ups outside, the captured run inside, then the replay (outside again).
     assert seen == [False, False, False, True, False]
     assert recording_ar.events == [
-        ("capture_enter",),
+        ("start_capture",),
         ("register_graph_buffers",),
         ("all_gather_object", "tp-group"),
     ]
+    assert recording_ar.garbage == 0 and recording_ar.stale_replays == 0
 
 
 def test_capture_order_must_follow_the_plan_every_rank_follows(sim):
     backend, _ = build()
     buffers = Buffers()
-    with pytest.raises(CaptureOrderError, match=r"expected size 8 .* got 4"):
+    with pytest.raises(
+        CaptureError, match=r"CaptureOrderError: .*expected size 8 .* got 4"
+    ) as raised:
         backend(**buffers.step(4))
+    assert "cannot be captured" not in str(raised.value)  # the order error says what to do
     capture_all(backend, buffers)
     assert backend.captures == 4
 
@@ -154,10 +174,10 @@ def test_a_failed_capture_publishes_nothing_and_says_to_restart_as_paddle_cannot
     assert "capture failed for decode size 8 (dynamic mode" in message
     assert "RuntimeError: CUDA error: out of memory" in message and "--max-num-seqs" in message
     assert "restart the worker" in message
-    assert backend.decode_entries[8].graph is None and backend.tables.served[5] is None
     assert sim.live_graphs == 0 and not sim.capturing
-    step = buffers.step(5, seed=9)  # the stream still serves eagerly
-    assert paddle.allclose(backend(**step)[:5], eager(model, step)).item()
+    out, served = served_by(backend, buffers.step(5, seed=9))  # the stream still serves eagerly
+    assert served is None
+    assert paddle.allclose(out, model.forward(**buffers.step(5, seed=9))).item()
     with pytest.raises(CaptureError, match="can only captured one by one"):
         backend(**buffers.step(8))  # as on Paddle: no capture works after a failed one
 
@@ -174,25 +194,28 @@ def test_only_an_out_of_memory_cause_gets_memory_advice(sim):
 
 def test_check_capture_successful_in_dynamic_mode(sim):
     backend, _ = build()
-    with pytest.raises(CaptureIncompleteError, match="decode 8, decode 4, decode 2, decode 1"):
+    with pytest.raises(CaptureIncompleteError, match=r"decode size 8, decode size 4, .*size 1"):
         backend.check_capture_successful()
     capture_all(backend, Buffers())
     backend.check_capture_successful()
 
 
-def test_clear_graph_releases_everything_and_recapture_works(sim, recording_ar):
+def test_clear_graph_releases_everything_and_recapture_serves_alike(sim, recording_ar):
     backend, model = build()
     buffers = Buffers()
     backend.clear_graph()  # before any capture: harmless
     capture_all(backend, buffers)
-    assert sim.live_graphs == 4 and sim.pool_bytes(backend.pool) > 0
+    assert sim.live_graphs == 4 and sim.live_pools == 1 and sim.pool_bytes(None) > 0
     backend.clear_graph()
     backend.clear_graph()
-    assert sim.live_graphs == 0 and sim.pool_bytes(backend.pool) == 0
+    assert sim.live_graphs == 0 and sim.pool_bytes(None) == 0
     assert recording_ar.events.count(("clear_ipc_handles",)) == 3
+    out, served = served_by(backend, buffers.step(6, seed=5))
+    assert served is None  # nothing to replay until the next capture
     capture_all(backend, buffers)  # the same descending order is accepted again
-    step = buffers.step(6, seed=5)
-    assert paddle.allclose(backend(**step)[:6], eager(model, step)).item()
+    out, served = served_by(backend, buffers.step(6, seed=5))
+    assert served == 8 and paddle.allclose(out, padded_eager(model, buffers, 8)).item()
+    assert recording_ar.stale_replays == 0
 
 
 def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
@@ -203,11 +226,19 @@ def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
         backend, model = build(config)
     assert any("disagrees" in r.getMessage() for r in caplog.records)
     buffers = Buffers()
-    capture_all(backend, buffers)
-    step = buffers.step(1)
-    out = backend(**step)
-    assert out.shape[0] == 2
-    assert paddle.allclose(out[:1], eager(model, step)).item()
+    with CaptureSessionForOneRank(config):
+        capture_all(backend, buffers)
+    out, served = served_by(backend, buffers.step(1))
+    assert served == 2 and out.shape[0] == 2
+    assert paddle.allclose(out, padded_eager(model, buffers, 2)).item()
+
+
+def CaptureSessionForOneRank(config):
+    """A capture session of a TP config that agrees with itself (test_collective has real ranks)."""
+    from fd_cudagraph_plugin.core.agreement import LocalLink
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    return CaptureSession("decode", fd_config=config, link=LocalLink())
 
 
 def test_hot_path_takes_keywords_only_and_needs_forward_meta(sim):
@@ -219,15 +250,29 @@ def test_hot_path_takes_keywords_only_and_needs_forward_meta(sim):
         backend(ids_remove_padding=paddle.zeros([1], dtype="int64"))
 
 
-def test_replay_error_propagates_and_is_not_counted(sim):
-    backend, _ = build()
+class Exploding(MixingBackbone):
+    """Raises from its forward once ``explode`` is set: what the simulated graph replays."""
+
+    explode = False
+
+    def forward(self, ids_remove_padding, forward_meta):
+        if self.explode:
+            raise RuntimeError("CUDA error(700): an illegal memory access was encountered")
+        return super().forward(ids_remove_padding, forward_meta)
+
+
+def test_a_replay_error_propagates_and_is_not_counted(sim):
+    model = Exploding()
+    backend = CudaGraphBackend(
+        fd_config=make_config(8), dy_runnable=model.forward, runnable=model.forward
+    )
     buffers = Buffers()
     capture_all(backend, buffers)
-    graph = backend.decode_entries[2].graph
-    graph.release()  # a released simulated graph raises on replay
-    with pytest.raises(RuntimeError, match="released"):
+    replays = dict(backend.stats()["replays"])
+    model.explode = True
+    with pytest.raises(RuntimeError, match="illegal memory access"):
         backend(**buffers.step(2))
-    assert backend.stats()["replays"].get(2, 0) == 1  # only the replay that ended its capture
+    assert backend.stats()["replays"] == replays
 
 
 def test_hot_path_holds_no_extra_references(sim):
@@ -242,20 +287,6 @@ def test_hot_path_holds_no_extra_references(sim):
     assert (sys.getrefcount(result), sys.getrefcount(step["forward_meta"])) == before
 
 
-def test_a_replay_that_clears_the_graphs_leaves_the_backend_consistent(sim):
-    backend, _ = build()
-    buffers = Buffers()
-    capture_all(backend, buffers)
-    entry = backend.decode_entries[4]
-    result = entry.result
-    entry.replay = backend.clear_graph  # a "replay" that clears, as a weight update might
-    assert backend(**buffers.step(3)) is result
-    assert backend.tables.served == [None] * 9  # fresh tables: nothing left to replay
-    assert backend.stats()["replays"][4] == 2  # the capture's run and this one, both counted
-    assert backend(**buffers.step(8)).shape[0] == 8  # serves again: recaptures from scratch
-    assert backend.decode_entries[8].graph is not None
-
-
 def test_speculative_steps_are_served_from_the_running_request_table(sim):
     config = make_config(4, speculative={"method": "mtp", "num_speculative_tokens": 1})
     backend, model = build(config)
@@ -265,17 +296,16 @@ def test_speculative_steps_are_served_from_the_running_request_table(sim):
     for tokens, running in ((3, 2), (4, 2), (6, 3), (1, 1), (5, 2)):
         step = buffers.step(tokens, seed=tokens)
         step["forward_meta"].real_bsz = running
-        out = backend(**step)
-        served.append(out.shape[0])
-        assert paddle.allclose(out[:tokens], model.forward(**step)).item()
+        out, size = served_by(backend, step)
+        served.append(size)
+        assert paddle.allclose(out, padded_eager(model, buffers, size)).item()
     # (5 tokens, 2 requests) exceeds size 4: padded by its token count to the size-8 graph.
     assert served == [4, 4, 8, 2, 8]
-    # Counted by running requests: the captures (4, 2, 1 requests) and the steps above.
-    assert backend.counts.steps == [0, 2, 3, 1, 1] and backend.counts.tokens[2] == 4 + 3 + 4
     stats = backend.stats()
-    # The 5-token step (2 requests, more tokens than size 4) was served by token count.
+    # Counted per size: the captures (8, 4, 2 tokens) and the steps above.
     assert stats["replays"] == {2: 2, 4: 3, 8: 3}
     assert stats["padded_tokens_per_size"] == {2: 1, 4: 1, 8: 5}
+    # tune reads running requests: the captures (4, 2, 1 requests) and the steps above.
     assert backend.observed_keys() == {1: 2, 2: 4, 3: 1, 4: 1}
 
 
@@ -287,32 +317,26 @@ def test_a_zero_token_speculative_step_runs_eagerly(sim, running):
     backend, _ = build(config)
     buffers = Buffers()
     capture_speculative(backend, buffers)
-    replays = backend.stats()["replays"]
     step = buffers.step(0)
     step["forward_meta"].real_bsz = running
-    assert backend(**step).shape[0] == 0
-    assert backend.stats()["replays"] == replays
+    out, served = served_by(backend, step)
+    assert out.shape[0] == 0 and served is None
     assert backend.stats()["eager_fallbacks"] == {"zero_tokens": 1}
 
 
-def test_a_failed_all_reduce_registration_publishes_no_graph(sim, monkeypatch):
-    import contextlib
-
-    from fd_cudagraph_plugin.core import allreduce
-
-    @contextlib.contextmanager
+def test_a_failed_all_reduce_registration_publishes_no_graph(sim, recording_ar, monkeypatch):
     def registration_fails():
-        yield
-        raise RuntimeError("all_gather_object over the TP group failed")
+        raise RuntimeError("register_graph_buffers: invalid IPC handle")
 
-    monkeypatch.setattr(allreduce, "capture_context", registration_fails)
+    monkeypatch.setattr(recording_ar, "register_graph_buffers", registration_fails)
     backend, _ = build()
     buffers = Buffers()
-    with pytest.raises(CaptureError, match="all_gather_object over the TP group failed"):
+    with pytest.raises(CaptureError, match=r"registration failed .*invalid IPC handle"):
         backend(**buffers.step(8))
-    entry = backend.decode_entries[8]
-    assert entry.graph is None and entry.replay is None and not entry.captured
-    assert backend.tables.served == [None] * 9 and sim.live_graphs == 0
+    assert sim.live_graphs == 0 and not recording_ar.capturing
+    _, served = served_by(backend, buffers.step(5))  # no graph of size 8 is left to replay
+    assert served is None
+    assert backend.stats()["eager_fallbacks"] == {"not_captured": 1}
 
 
 def test_clear_graph_releases_graphs_even_when_the_summary_fails(sim, monkeypatch):

@@ -1,4 +1,4 @@
-"""Capture sessions around FastDeploy's capture loops: report, GC, plan check, policies."""
+"""Capture sessions around FastDeploy's capture loops: report, GC, plan check, counting."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import re
 
 import paddle
 import pytest
-from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config
+from conftest import Buffers, DecoratedBackbone, MixingBackbone, PeerLink, make_config, served_by
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-from fd_cudagraph_plugin.core import capture, session
+from fd_cudagraph_plugin.core import worker
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
-from fd_cudagraph_plugin.core.errors import RankMismatchError
+from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError
+from fd_cudagraph_plugin.core.session import CaptureSession
 
 
 def runner_for(config, model_cls=DecoratedBackbone):
@@ -22,6 +23,12 @@ def runner_for(config, model_cls=DecoratedBackbone):
     runner = GPUModelRunner(config, model)
     runner.profile_run()  # builds the backend, which installs the session hooks
     return model, runner
+
+
+def build(config):
+    model = MixingBackbone()
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    return backend, model
 
 
 def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered, caplog):
@@ -38,11 +45,26 @@ def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered
     summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured")]
     assert len(summaries) == 1
     assert re.fullmatch(
-        r"captured 3 graphs \(sizes 1\.\.4\) in \d+\.\d s, graph memory 224 B "
+        r"captured 3 graphs \(sizes 1\.\.4\) in \d+ ms, graph memory 224 B "
         r"\(largest graph 128 B\), 2 warm-ups each",
         summaries[0],
     )
-    assert session.active() is None and session.sessions_ended() == 1
+    assert worker.current().session is None and worker.current().sessions_ended == 1
+
+
+def test_capture_time_steps_are_not_counted_as_served_traffic(plugin_registered):
+    model, runner = runner_for(make_config(4))
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    stats = backend.stats()
+    assert stats["replays"] == {} and stats["eager_fallbacks"] == {}
+    assert backend.observed_keys() == {}
+    assert sum(stats["capture_time"]["replays"].values()) == 3  # each capture's own run
+    for tokens in (3, 4, 1):
+        runner.execute_step(tokens)
+    stats = backend.stats()
+    assert stats["replays"] == {1: 1, 4: 2} and backend.observed_keys() == {1: 1, 3: 1, 4: 1}
+    assert sum(stats["capture_time"]["replays"].values()) == 3
 
 
 def test_static_split_prefill_loop_gets_its_own_session(plugin_registered):
@@ -63,63 +85,48 @@ def test_gc_is_frozen_during_the_session_and_restored_after_an_error(plugin_regi
     class Recording(DecoratedBackbone):
         def forward(self, ids_remove_padding, forward_meta):
             seen.append(gc.get_freeze_count())
-            if ids_remove_padding.shape[0] == 2 and session.active() is not None:
+            if ids_remove_padding.shape[0] == 2 and worker.current().session is not None:
                 raise RuntimeError("CUDA error: out of memory")
             return super().forward(ids_remove_padding, forward_meta)
 
     _, runner = runner_for(config, Recording)
     seen.clear()
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(CaptureError, match=r"warm-up failed for decode size 2 .*out of memory"):
         runner.capture_model()
     assert seen and all(count > 0 for count in seen)
     assert gc.get_freeze_count() == 0
-    assert session.active() is None
-
-
-class OneRankDiffers:
-    """Two ranks; rank 1 differs from this one in one key."""
-
-    def __init__(self, **changes):
-        self.changes = changes
-
-    def all_gather(self, obj):
-        return [obj, {**obj, **self.changes}]
+    assert worker.current().session is None
 
 
 def test_plan_check_diff_names_the_key_and_both_values(sim):
-    config = make_config(8)
-    model = TinyBackbone()
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
-    assert session.stats.live_backends() == [backend]
-    exchange = OneRankDiffers(warmup_policy="largest_only")
-    expected = r"\. rank 1: warmup_policy: rank 0 'per_size' vs rank 1 'largest_only'\. Start"
+    build(make_config(8))
+
+    def peer(rank, label, status):
+        if label == "plan":
+            return {"payload": {**status["payload"], "self_check": "warn"}}
+        return status
+
+    expected = r"\. rank 1: self_check: rank 0 'off' vs rank 1 'warn'\. Start"
     with (
         pytest.raises(RankMismatchError, match=expected),
-        session.CaptureSession("decode", exchange=exchange),
+        CaptureSession("decode", link=PeerLink(peer=peer)),
     ):
         pass
-    assert session.active() is None and gc.get_freeze_count() == 0
-
-
-def _captured_some(sizes):
-    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
-    model = TinyBackbone()
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
-    buffers = Buffers()
-    with session.CaptureSession("decode"):
-        for size in sizes:
-            backend(**buffers.step(size))
-    return backend, model, buffers
+    assert worker.current().session is None and gc.get_freeze_count() == 0
 
 
 def test_a_size_first_seen_after_the_sessions_runs_eagerly_and_warns_once(sim, caplog):
-    backend, model, buffers = _captured_some([4, 2])
+    backend, model = build(make_config(8, cudagraph_capture_sizes=[4, 2, 1]))
+    buffers = Buffers()
+    with CaptureSession("decode"):
+        for size in (4, 2):
+            backend(**buffers.step(size))
     step = buffers.step(1, seed=3)
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
-        out = backend(**step)
+        out, served = served_by(backend, step)
         backend(**step)
-    assert paddle.allclose(out[:1], model.forward(**step)).item()
-    assert backend.decode_entries[1].graph is None
+    assert served is None
+    assert paddle.allclose(out, model.forward(**step)).item()
     assert backend.stats()["eager_fallbacks"] == {"late_capture": 2}
     assert sum("late capture" in r.getMessage() for r in caplog.records) == 1
 
@@ -131,82 +138,41 @@ def test_custom_allreduce_registers_after_every_graph(plugin_registered, recordi
     runner.capture_model()
     assert (
         recording_ar.events
-        == [("capture_enter",), ("register_graph_buffers",), ("all_gather_object", "tp-group")] * 3
+        == [("start_capture",), ("register_graph_buffers",), ("all_gather_object", "tp-group")] * 3
     )
+    assert recording_ar.garbage == 0
     out = runner.execute_step(3)
     view = runner.share_inputs["ids"][:3]
     assert paddle.allclose(out, model.forward(ids_remove_padding=view, forward_meta=None)).item()
-
-
-@pytest.mark.parametrize(
-    ("policy", "warmups", "in_capture_pass", "loop_passes"),
-    [
-        ("per_size", [2, 2, 2], 6, 1),
-        ("largest_only", [2, 0, 0], 2, 1),
-        ("warm_all_first", [2, 2, 2], 0, 2),  # all warm-ups in the first pass
-    ],
-)
-def test_warmup_policies(
-    plugin_registered, monkeypatch, policy, warmups, in_capture_pass, loop_passes
-):
-    monkeypatch.setenv("FD_CUDAGRAPH_WARMUP", policy)
-    config = make_config(4)
-    model, runner = runner_for(config)
-    capture.mark_warmed()
-    calls_before = model.calls
-    runner.capture_model()
-    backend = model.graph_opt_backend.cudagraph_piecewise_backend
-    assert [r.warmups for r in backend.capture_report.records] == warmups
-    # A loop pass runs a prefill step per size; the capturing pass adds each size's warm-ups, its
-    # captured run and the replay that ends a capture (the simulated runtime re-executes it).
-    # warm_all_first first runs a warm-only pass: a prefill step plus 2 warm-ups per size.
-    sizes = 3
-    expected = sizes + in_capture_pass + 2 * sizes + (sizes * (1 + 2) if loop_passes == 2 else 0)
-    assert model.calls - calls_before == expected
-    for tokens in (1, 3, 4):
-        out = runner.execute_step(tokens)
-        view = runner.share_inputs["ids"][:tokens]
-        expected_out = model.forward(ids_remove_padding=view, forward_meta=None)
-        assert paddle.allclose(out, expected_out).item()
+    assert recording_ar.stale_replays == 0
 
 
 def test_first_capture_in_a_process_follows_an_eager_run_even_with_zero_warmups(sim):
-    config = make_config(4, cudagraph_num_of_warmups=0)
-    model = TinyBackbone()
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    backend, _ = build(make_config(4, cudagraph_num_of_warmups=0))
     buffers = Buffers()
-    with session.CaptureSession("decode") as running:
+    with CaptureSession("decode") as running:
         for size in (4, 2, 1):
             backend(**buffers.step(size))
     assert [r.warmups for r in running.report.records] == [1, 0, 0]
 
 
-def test_progress_bars_only_on_rank_zero(sim):
-    config = make_config(4)
-    model = TinyBackbone()
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+@pytest.mark.parametrize(("rank", "shown"), [(0, True), (1, False)])
+def test_progress_bars_only_on_rank_zero(sim, capsys, rank, shown):
+    backend, _ = build(make_config(4))
     buffers = Buffers()
-    with session.CaptureSession("decode", fd_config=config) as running:
+    with CaptureSession("decode", link=PeerLink(rank=rank)):
         for size in (4, 2, 1):
             backend(**buffers.step(size))
-        bars = dict(running._bars)
-    assert list(bars) == [("decode", f"{id(backend):#x}")]
-    assert bars[("decode", f"{id(backend):#x}")].total == 3
-    backend.clear_graph()
-    config.parallel_config.tensor_parallel_rank = 1
-    with session.CaptureSession("decode", fd_config=config) as running:
-        for size in (4, 2, 1):
-            backend(**buffers.step(size))
-        assert running._bars == {}
+    err = capsys.readouterr().err
+    assert ("CUDA graphs (decode)" in err and "3/3" in err) is shown
 
 
 def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, tmp_path):
     monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", str(tmp_path / "graphs-{rank}.json"))
     config = make_config(4)
-    model = TinyBackbone()
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    backend, _ = build(config)
     buffers = Buffers()
-    with session.CaptureSession("decode", fd_config=config):
+    with CaptureSession("decode", fd_config=config):
         for size in (4, 2, 1):
             backend(**buffers.step(size))
     report = json.loads((tmp_path / "graphs-0.json").read_text())
@@ -216,64 +182,26 @@ def test_memory_report_is_written_per_rank_after_each_session(sim, monkeypatch, 
     assert per_size == {4: 4 * 8 * 4, 2: 2 * 8 * 4, 1: 1 * 8 * 4}  # [size, hidden] float32
     assert report["graph_bytes"] == sum(per_size.values())
     assert report["largest_graph_bytes"] == 128
-
-
-class DraftRunner(GPUModelRunner):
-    """A runner whose steps also run an MTP-style draft model, as FastDeploy's proposer does."""
-
-    def __init__(self, fd_config, model, draft) -> None:
-        super().__init__(fd_config, model)
-        self.draft = draft
-
-    def _run(self, num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids=None):
-        out = super()._run(num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids)
-        view = self.share_inputs["ids"][:num_tokens]
-        meta = type(self.draft_meta_source)(
-            ids_remove_padding=view,
-            step_use_cudagraph=use_graph,
-            exist_prefill=exist_prefill,
-            real_bsz=real_bsz,
-        )
-        self.draft(ids_remove_padding=view, forward_meta=meta)
-        return out
-
-    @property
-    def draft_meta_source(self):
-        from fastdeploy.model_executor.forward_meta import ForwardMeta
-
-        return ForwardMeta(ids_remove_padding=None)
-
-
-def test_target_and_draft_capture_in_one_session_into_their_own_pools(plugin_registered):
-    sim = plugin_registered
-    config = make_config(4)
-    target = DecoratedBackbone(fd_config=config)
-    draft = DecoratedBackbone(fd_config=config)
-    runner = DraftRunner(config, target, draft)
-    runner.profile_run()
-    runner.capture_model()
-    target_backend = target.graph_opt_backend.cudagraph_piecewise_backend
-    draft_backend = draft.graph_opt_backend.cudagraph_piecewise_backend
-    report = target_backend.capture_report
-    assert report is draft_backend.capture_report
-    by_backend = {}
-    for record in report.records:
-        by_backend.setdefault(record.backend, []).append(record.size)
-    assert list(by_backend.values()) == [[4, 2, 1], [4, 2, 1]]
-    assert target_backend.pool is not draft_backend.pool and sim.live_pools == 2
-    target_backend.clear_graph()  # /v1/sleep clears the target only; its pool goes at once
-    assert sim.live_pools == 1 and draft_backend.decode_entries[4].graph is not None
+    assert report["agreement_points"] == 1 + 3 * 2 + 1  # plan, warm-up and capture, end
 
 
 def test_the_plan_is_checked_at_the_first_capture_when_no_backend_existed_at_the_start(sim):
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
-    exchange = OneRankDiffers(**{"backend0.capture_sizes": [4, 2]})
+
+    def peer(rank, label, status):
+        payload = (status or {}).get("payload")
+        if label == "plan" and payload and payload["backends"]:
+            return {"payload": {**payload, "backend0.capture_sizes": [4, 2]}}
+        return status
+
+    link = PeerLink(peer=peer)
     buffers = Buffers()
-    with session.CaptureSession("decode", exchange=exchange):
-        model = TinyBackbone()  # built inside capture_model(), as without a profile run
-        backend = CudaGraphBackend(
-            fd_config=config, dy_runnable=model.forward, runnable=model.forward
-        )
-        with pytest.raises(RankMismatchError, match=r"backend0.capture_sizes: rank 0 \[4, 2, 1\]"):
-            backend(**buffers.step(4))
-    assert backend.decode_entries[4].graph is None
+    with (
+        pytest.raises(RankMismatchError, match=r"backend0.capture_sizes: rank 0 \[4, 2, 1\]"),
+        CaptureSession("decode", link=link),
+    ):
+        backend, _ = build(config)  # built inside capture_model(), as without a profile run
+        backend(**buffers.step(4))
+    assert link.labels == ["plan", "plan"]
+    _, served = served_by(backend, buffers.step(4))
+    assert served is None

@@ -8,11 +8,20 @@ import time
 
 import paddle
 import pytest
-from conftest import Buffers, TinyBackbone, capture_speculative, make_config, meta_for
+from conftest import (
+    Buffers,
+    PeerLink,
+    TinyBackbone,
+    capture_speculative,
+    make_config,
+    meta_for,
+    served_by,
+)
 
 from fd_cudagraph_plugin.core import stats
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.guards import AddressGuardError, SelfCheckError
+from fd_cudagraph_plugin.core.session import CaptureSession
 
 
 def backend_for(model=None, config=None, **graph_args):
@@ -156,11 +165,10 @@ def test_self_check_warn_serves_the_size_eagerly(sim, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
         capture_all(backend, buffers)
     assert any("self-check failed for decode size 4" in r.getMessage() for r in caplog.records)
-    assert all(entry.disabled for entry in backend.decode_entries.values())
-    step = buffers.step(3)
-    out = backend(**step)
-    assert out.shape[0] == 3  # eager, not a padded graph output
-    assert backend.stats()["eager_fallbacks"]["self_check_failed"] == 4
+    for tokens in (3, 2, 1):
+        out, served = served_by(backend, buffers.step(tokens))
+        assert served is None and out.shape[0] == tokens  # eager, not a padded graph output
+    assert backend.stats()["eager_fallbacks"]["self_check_failed"] == 3 + 3
 
 
 def test_self_check_error_raises(sim, monkeypatch):
@@ -173,8 +181,9 @@ def test_self_check_error_raises(sim, monkeypatch):
 def test_self_check_passes_a_capturable_model(sim, monkeypatch):
     monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "error")
     backend, _ = backend_for()
-    capture_all(backend, Buffers())
-    assert not any(entry.disabled for entry in backend.decode_entries.values())
+    buffers = Buffers()
+    capture_all(backend, buffers)
+    assert [served_by(backend, buffers.step(n))[1] for n in (4, 3, 2, 1)] == [4, 4, 2, 1]
 
 
 def test_dump_dot_says_once_when_the_runtime_cannot(sim, monkeypatch, caplog, tmp_path):
@@ -215,71 +224,63 @@ def test_sampled_address_checks_on_the_general_path_too(sim, monkeypatch):
         backend(ids_remove_padding=swapped, forward_meta=meta)
 
 
-def test_self_check_warn_refuses_to_diverge_tensor_parallel_ranks(sim, monkeypatch):
-    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "warn")
-    model = FrozenHostValue(sim)
+def test_a_tensor_parallel_backend_never_captures_outside_a_session(sim):
+    """Outside FastDeploy's capture loop no rank can agree with the others: a capture on one
+    rank alone would leave the others waiting in its all-reduce registration."""
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
-    with pytest.raises(SelfCheckError, match="one tensor-parallel rank alone"):
-        backend(**Buffers().step(4))
+    backend, _ = backend_for(config=config)
+    _, served = served_by(backend, Buffers().step(4))
+    assert served is None and backend.captures == 0
+    assert backend.stats()["eager_fallbacks"] == {"late_capture": 1}
 
 
-class OtherRankFailed:
-    """Two ranks: this one, and rank 1 whose self-check failed at size 2 of backend 0."""
-
-    def __init__(self) -> None:
-        self.gathered: list = []
-
-    def all_gather(self, obj):
-        self.gathered.append(obj)
-        if isinstance(obj, dict):  # the plan check: rank 1 plans the same
-            return [obj, obj]
-        return [obj, [(0, "decode", 2, "CUDA graph self-check failed for decode size 2: (rank 1)")]]
+def _rank_one_fails_self_check_at_size_2(rank, label, status):
+    if label.startswith("self-check decode size 2"):
+        return {"payload": "CUDA graph self-check failed for decode size 2: output 0 differs"}
+    return status
 
 
 @pytest.mark.parametrize("mode", ["warn", "error"])
-def test_tensor_parallel_ranks_agree_on_self_check_verdicts_at_the_end_of_the_session(
+def test_tensor_parallel_ranks_act_alike_on_a_self_check_failure_of_another_rank(
     sim, monkeypatch, mode
 ):
-    from fd_cudagraph_plugin.core import session
-
     monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", mode)
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
     backend, _ = backend_for(config=config)
-    exchange = OtherRankFailed()
+    link = PeerLink(peer=_rank_one_fails_self_check_at_size_2)
     buffers = Buffers()
-    running = session.CaptureSession("decode", fd_config=config, exchange=exchange)
+    session = CaptureSession("decode", fd_config=config, link=link)
     if mode == "error":
         # This rank's graphs are fine, and it stops all the same, as rank 1 does.
-        expected = r"every rank stops\): rank 1: .*size 2"
-        with pytest.raises(SelfCheckError, match=expected), running:
+        expected = r"rank 1: .*size 2.*Every tensor-parallel rank"
+        with pytest.raises(SelfCheckError, match=expected), session:
             capture_all(backend, buffers)
         return
-    with running:
+    with session:
         capture_all(backend, buffers)
-        assert not backend.decode_entries[2].disabled  # decided at the end, not mid-session
-    assert exchange.gathered[-1] == []  # this rank's own verdict: nothing failed here
-    assert backend.decode_entries[2].disabled and backend.tables.served[2] is None
-    assert not backend.decode_entries[4].disabled
-    assert backend(**buffers.step(2)).shape[0] == 2  # eager on this rank too
+    assert [label for label, status in link.posted if label.startswith("self-check")] == [
+        "self-check decode size 4 (target)",
+        "self-check decode size 2 (target)",
+        "self-check decode size 1 (target)",
+    ]
+    assert all(status == {"payload": None} for label, status in link.posted if "self" in label)
+    assert served_by(backend, buffers.step(2))[1] is None  # eager on this rank too
+    assert served_by(backend, buffers.step(4))[1] == 4
 
 
 def test_a_self_check_failure_on_this_rank_is_shared_not_raised_alone(sim, monkeypatch):
-    from fd_cudagraph_plugin.core import session
-
     monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "warn")
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
     backend, _ = backend_for(FrozenHostValue(sim), config=config)
-    exchange = OtherRankFailed()
-    with session.CaptureSession("decode", fd_config=config, exchange=exchange):
-        capture_all(backend, Buffers())
-    shared = exchange.gathered[-1]
-    assert [(index, phase, size) for index, phase, size, _ in shared] == [
-        (0, "decode", 4),
-        (0, "decode", 2),
-        (0, "decode", 1),
-    ]
-    assert all(entry.disabled for entry in backend.decode_entries.values())
+    link = PeerLink(
+        peer=lambda rank, label, status: {"payload": None} if "self" in label else status
+    )
+    buffers = Buffers()
+    with CaptureSession("decode", fd_config=config, link=link):
+        capture_all(backend, buffers)
+    shared = [status["payload"] for label, status in link.posted if label.startswith("self-check")]
+    assert len(shared) == 3 and all("self-check failed for decode size" in m for m in shared)
+    assert [served_by(backend, buffers.step(n))[1] for n in (4, 2, 1)] == [None, None, None]
 
 
 def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(sim, tmp_path):

@@ -18,6 +18,7 @@ from fastdeploy.plugins import model_register
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 from fd_cudagraph_plugin import plugin
+from fd_cudagraph_plugin.core import fastdeploy as fastdeploy_seam
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.errors import ConfigError
 
@@ -112,7 +113,7 @@ def test_decorated_model_serves_through_plugin_backend(plugin_registered, legacy
         assert paddle.allclose(out, expected).item()
     # Each step replays a graph (one eager re-run by the simulated runtime) plus our eager check.
     assert model.calls == calls_after_capture + 2 * 6
-    assert sum(backend.stats()["replays"].values()) == 6 + backend.captures
+    assert sum(backend.stats()["replays"].values()) == 6  # served; the capture runs apart
 
 
 def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
@@ -132,18 +133,18 @@ def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
     try:
         plugin.register()
         plugin.register()
-        forwarding = [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]
+        forwarding = [h for h in ours.handlers if isinstance(h, fastdeploy_seam._ToFastDeploy)]
         assert len(forwarding) == 1
-        assert any("fd-cudagraph-plugin 0.2.0 active" in m for m in records)
+        assert any("fd-cudagraph-plugin 0.3.0 active" in m for m in records)
     finally:
-        for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
+        for handler in [h for h in ours.handlers if isinstance(h, fastdeploy_seam._ToFastDeploy)]:
             ours.removeHandler(handler)
         ours.setLevel(logging.NOTSET)
 
 
 def test_any_bad_option_stops_register_with_the_fix(monkeypatch):
-    monkeypatch.setenv("FD_CUDAGRAPH_WARMUP", "twice")
-    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_WARMUP='twice'.*per_size"):
+    monkeypatch.setenv("FD_CUDAGRAPH_SELF_CHECK", "twice")
+    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_SELF_CHECK='twice'.*off, warn, error"):
         plugin.register()
     assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
 
@@ -188,12 +189,12 @@ def test_each_record_reaches_the_console_once_when_fastdeploys_logger_propagates
         assert console.count("one line, please") == 1
     finally:
         logging.getLogger().removeHandler(root_handler)
-        for handler in [h for h in ours.handlers if isinstance(h, plugin._ToFastDeploy)]:
+        for handler in [h for h in ours.handlers if isinstance(h, fastdeploy_seam._ToFastDeploy)]:
             ours.removeHandler(handler)
         ours.setLevel(logging.NOTSET)
 
 
-def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim):
+def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim, monkeypatch):
     from dataclasses import dataclass
 
     from conftest import Buffers, TinyBackbone, capture_speculative
@@ -206,8 +207,11 @@ def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim):
         step_use_cudagraph: bool = False
         seq_lens_this_time: object = None
 
-    assert plugin.backfill_forward_meta(ForwardMeta24) == ["exist_prefill", "real_bsz"]
-    assert plugin.backfill_forward_meta(ForwardMeta24) == []
+    from fastdeploy.model_executor import forward_meta
+
+    monkeypatch.setattr(forward_meta, "ForwardMeta", ForwardMeta24)
+    assert fastdeploy_seam.backfill_forward_meta() == ["exist_prefill", "real_bsz"]
+    assert fastdeploy_seam.backfill_forward_meta() == []
     model = TinyBackbone()
     for speculative in (None, {"method": "mtp", "num_speculative_tokens": 1}):
         config = make_config(4, speculative=speculative)
@@ -230,3 +234,51 @@ def test_register_works_on_a_fastdeploy_layout_without_forward_meta(monkeypatch,
     monkeypatch.setitem(sys.modules, "fastdeploy.model_executor.forward_meta", None)
     plugin.register()
     assert graph_optimization_backend.CudaGraphPiecewiseBackend is not NATIVE
+
+
+def test_the_active_line_names_every_option_not_at_its_default(caplog, sim, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_CHECK_ADDRESSES", "always")
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        plugin.register()
+    (active,) = [r.getMessage() for r in caplog.records if " active: " in r.getMessage()]
+    assert active.endswith(
+        "options: FD_CUDAGRAPH_RUNTIME=simulated (the CPU test runtime: no CUDA graph runs; unset "
+        "it to serve), FD_CUDAGRAPH_CHECK_ADDRESSES=always."
+    )
+
+
+@pytest.mark.parametrize(
+    ("device", "why"),
+    [
+        ("xpu", "FastDeploy's platform is XPU, not NVIDIA CUDA"),
+        ("maca", "FastDeploy's platform is MetaX (MACA), not NVIDIA CUDA"),
+        ("dcu", "FastDeploy's platform is DCU, not NVIDIA CUDA"),
+        ("cpu", "FastDeploy's platform is CPU, not NVIDIA CUDA"),
+    ],
+)
+def test_register_stands_aside_where_the_cuda_runtime_cannot_run(caplog, device, why):
+    """XPU and MetaX allow CUDA graphs from 2.5 through their own runners; the plugin's runtime
+    drives NVIDIA CUDA graphs only, so FastDeploy keeps its backend and its runners there."""
+    from fastdeploy.platforms import current_platform
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner as Runner
+
+    current_platform.device_name = device
+    loop = Runner.__dict__["capture_model"]
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        plugin.register()
+        plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
+    assert Runner.__dict__["capture_model"] is loop  # no session wrapper
+    lines = [r.getMessage() for r in caplog.records if "stands aside" in r.getMessage()]
+    assert len(lines) == 1 and why in lines[0] and "keeps its own CUDA-graph backend" in lines[0]
+
+
+def test_register_stands_aside_on_a_paddle_without_cuda(caplog):
+    # This machine's Paddle is the CPU build; FastDeploy's platform says CUDA here.
+    from fastdeploy.platforms import current_platform
+
+    current_platform.device_name = "cuda"
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        plugin.register()
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
+    assert any("this Paddle is not compiled with CUDA" in r.getMessage() for r in caplog.records)

@@ -196,5 +196,5 @@ def test_static_split_without_prefill_graphs_serves_prefill_eagerly_without_a_wa
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
         out = backend(**step)
     assert out.shape[0] == 5 and backend.stats()["eager_fallbacks"] == {"prefill": 1}
-    assert backend.expected_entries() == list(backend.decode_entries.values())
+    assert backend.expected_entries() == list(backend.entries.decode.values())
     assert not caplog.records

@@ -12,12 +12,12 @@ from collections import Counter
 import pytest
 from conftest import make_config
 
-from fd_cudagraph_plugin.core.errors import ConfigError, TraceError
+from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.stats import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
 from fd_cudagraph_plugin.tools.cli import main
-from fd_cudagraph_plugin.tools.traces import read_histogram
+from fd_cudagraph_plugin.tools.traces import TraceError, read_histogram
 from fd_cudagraph_plugin.tools.tune import optimal_sizes, padded_tokens, tune
 
 

@@ -3,17 +3,17 @@
 Started once per rank by Paddle's launcher (gloo on CPU Paddle; see ``test_collective.py``)::
 
     python -m paddle.distributed.launch --nproc_per_node 2 --log_dir LOG \\
-        tests/tp_worker.py --out DIR --scenario equal-plans --scenario capture-sizes-differ
+        tests/tp_worker.py --out DIR --scenario equal-plans --scenario capture-oom@1
 
 Each rank runs the scenarios in the order given and writes ``DIR/<scenario>.rank<R>.json``: what the
-scenario returned plus ``outcome``, ``"ok"`` or the name of the plugin error it raised, and
-``message``. A rank exits 0 once every scenario has run, whatever the outcomes; anything else
+scenario returned plus ``outcome``, ``"ok"`` or the name of the plugin error it raised, ``message``
+and ``seconds``. A rank exits 0 once every scenario has run, whatever the outcomes; anything else
 (an unexpected exception, a collective that never returns) is a failure of the test itself.
 
-Adding a scenario is a function taking a ``Rank`` and returning a dict of facts, decorated with
-``@scenario("name")``. Build its config with ``tp_config`` (the TP group set where FastDeploy sets
-it) and drive FastDeploy's capture loop with ``capture``; raise nothing yourself: a plugin error
-escaping the function is the outcome the test reads.
+Every scenario is a fresh worker: a new simulated runtime, a new custom all-reduce whose
+registration is a real ``all_gather_object`` over the TP group (as FastDeploy's), and its own
+namespace in the job's store for the plugin's agreement channel. A scenario named ``name@R``
+injects its fault on rank R only.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fastdeploy_stub"))
 os.environ["FD_CUDAGRAPH_RUNTIME"] = "simulated"
+os.environ["MIN_GRAPH_SIZE"] = "0"  # SOT compiles the tiny models (static full probe)
+OOM = "CUDA error(2): out of memory"
 
 
 @dataclass(frozen=True)
 class Rank:
     index: int
     world: int
-    group: Any  # the TP group, as FastDeploy's set_communicate_group builds it
+    group: Any  # the TP group, as FastDeploy's worker builds it with new_group
+    faulty: bool  # this rank is the one the scenario's fault is injected on
 
 
 SCENARIOS: dict[str, Callable[[Rank], dict[str, Any]]] = {}
@@ -61,20 +65,61 @@ def tp_config(rank: Rank, max_num_seqs: int = 8, **graph_args: Any) -> Any:
     return config
 
 
-def capture(config: Any, *, profile_run: bool = True, model_cls: Any = None) -> Any:
+def capture(
+    config: Any, *, model_cls: Any = None, runner_cls: Any = None, prepare: Any = None
+) -> Any:
     """FastDeploy's start-up on one rank: build the model, profile run, ``capture_model()``.
 
     Returns the backend, whose ``capture_report`` says what the session captured.
     """
-    from conftest import DecoratedBackbone
+    from conftest import DecoratedMixing
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-    model = (model_cls or DecoratedBackbone)(fd_config=config)
-    runner = GPUModelRunner(config, model)
-    if profile_run:
-        runner.profile_run()
+    model = (model_cls or DecoratedMixing)(fd_config=config)
+    if prepare is not None:
+        prepare(model)
+    runner = (runner_cls or GPUModelRunner)(config, model)
+    runner.profile_run()
     runner.capture_model()
     return model.graph_opt_backend.cudagraph_piecewise_backend
+
+
+def _faulty_model(rank: Rank, stage: str, size: int = 4) -> type:
+    """A model that raises ``OOM`` on the faulty rank at ``stage`` of ``size``'s capture."""
+    from conftest import DecoratedMixing
+
+    from fd_cudagraph_plugin.core import runtime, worker
+
+    sim = runtime.get_runtime("simulated")
+
+    class Faulty(DecoratedMixing):
+        eager_runs = 0
+
+        def forward(self, ids_remove_padding, forward_meta):
+            if rank.faulty and worker.current().session is not None:
+                tokens = ids_remove_padding.shape[0]
+                if tokens == size:
+                    if stage == "capture" and sim.capturing:
+                        raise RuntimeError(OOM)
+                    if not sim.capturing and not sim.replaying:
+                        type(self).eager_runs += 1
+                        # warm-ups are the first two eager runs, the self-check's the third
+                        fail_at = {"warm-up": 1, "self-check": 3}.get(stage)
+                        if type(self).eager_runs == fail_at:
+                            raise RuntimeError(OOM)
+            return super().forward(ids_remove_padding, forward_meta)
+
+    return Faulty
+
+
+def _facts(backend: Any) -> dict[str, Any]:
+    report = backend.capture_report
+    return {
+        "captured": [r.size for r in report.records] if report else [],
+        "agreement_points": getattr(report, "agreement_points", 0),
+        "agreement_seconds": getattr(report, "agreement_seconds", 0.0),
+        "session_seconds": getattr(report, "seconds", 0.0),
+    }
 
 
 # ------------------------------------------------------------------------------- scenarios
@@ -83,26 +128,69 @@ def capture(config: Any, *, profile_run: bool = True, model_cls: Any = None) -> 
 @scenario("equal-plans")
 def equal_plans(rank: Rank) -> dict[str, Any]:
     backend = capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1]))
-    return {"captured": [r.size for r in backend.capture_report.records]}
+    return {**_facts(backend), "registrations": _ar().registrations}
+
+
+@scenario("many-sizes")
+def many_sizes(rank: Rank) -> dict[str, Any]:
+    """36 sizes up to 512, shaped like FastDeploy's default list: the healthy-case cost."""
+    sizes = [1, 2, 4, 6, *range(8, 129, 8), *range(144, 257, 16), *range(288, 513, 32)]
+    backend = capture(tp_config(rank, max_num_seqs=512, cudagraph_capture_sizes=sizes))
+    return _facts(backend)
 
 
 @scenario("capture-sizes-differ")
 def capture_sizes_differ(rank: Rank) -> dict[str, Any]:
-    sizes = [8, 4, 2] if rank.index == 1 else [8, 4, 2, 1]
-    backend = capture(tp_config(rank, cudagraph_capture_sizes=sizes))
-    return {"captured": [r.size for r in backend.capture_report.records]}
+    sizes = [8, 4, 2] if rank.faulty else [8, 4, 2, 1]
+    return _facts(capture(tp_config(rank, cudagraph_capture_sizes=sizes)))
+
+
+@scenario("warm-up-oom")
+def warm_up_oom(rank: Rank) -> dict[str, Any]:
+    config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+    return _facts(capture(config, model_cls=_faulty_model(rank, "warm-up")))
+
+
+@scenario("capture-oom")
+def capture_oom(rank: Rank) -> dict[str, Any]:
+    config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+    return _facts(capture(config, model_cls=_faulty_model(rank, "capture")))
+
+
+@scenario("registration-fails")
+def registration_fails(rank: Rank) -> dict[str, Any]:
+    """The custom all-reduce's register op fails after its all_gather (the second graph)."""
+    allreduce = _ar()
+    original = allreduce.register_graph_buffers
+    calls = {"n": 0}
+
+    def register() -> None:
+        original()
+        calls["n"] += 1
+        if rank.faulty and calls["n"] == 2:
+            raise RuntimeError("register_graph_buffers: cudaIpcOpenMemHandle failed")
+
+    allreduce.register_graph_buffers = register
+    return _facts(capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])))
+
+
+@scenario("self-check-raises")
+def self_check_raises(rank: Rank) -> dict[str, Any]:
+    with _env("FD_CUDAGRAPH_SELF_CHECK", "warn"):
+        config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+        return _facts(capture(config, model_cls=_faulty_model(rank, "self-check")))
 
 
 def _diverging_at_four() -> type:
     """A model whose size-4 graph replays a host value frozen at capture, unlike eager: the
     self-check fails at size 4 only (a nondeterministic kernel would, on one rank)."""
-    from conftest import DecoratedBackbone
+    from conftest import DecoratedMixing
 
     from fd_cudagraph_plugin.core.runtime import get_runtime
 
     runtime = get_runtime("simulated")
 
-    class DivergesAtFour(DecoratedBackbone):
+    class DivergesAtFour(DecoratedMixing):
         counter = frozen = 0
 
         def forward(self, ids_remove_padding, forward_meta):
@@ -117,75 +205,166 @@ def _diverging_at_four() -> type:
     return DivergesAtFour
 
 
-def _self_check_fails_on_rank_one(rank: Rank, mode: str) -> dict[str, Any]:
-    previous = os.environ.get("FD_CUDAGRAPH_SELF_CHECK")
-    os.environ["FD_CUDAGRAPH_SELF_CHECK"] = mode
-    try:
-        model_cls = _diverging_at_four() if rank.index == 1 else None
+def _self_check_fails(rank: Rank, mode: str) -> dict[str, Any]:
+    with _env("FD_CUDAGRAPH_SELF_CHECK", mode):
+        model_cls = _diverging_at_four() if rank.faulty else None
         backend = capture(
             tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1]), model_cls=model_cls
         )
-    finally:
-        if previous is None:
-            os.environ.pop("FD_CUDAGRAPH_SELF_CHECK")
-        else:
-            os.environ["FD_CUDAGRAPH_SELF_CHECK"] = previous
-    return {"disabled": sorted(s for s, e in backend.decode_entries.items() if e.disabled)}
+    disabled = [s for s, e in sorted(backend.entries.decode.items()) if e.disabled]
+    return {**_facts(backend), "disabled": disabled}
 
 
-@scenario("self-check-error-on-one-rank")
-def self_check_error_on_one_rank(rank: Rank) -> dict[str, Any]:
-    return _self_check_fails_on_rank_one(rank, "error")
+@scenario("self-check-error")
+def self_check_error(rank: Rank) -> dict[str, Any]:
+    return _self_check_fails(rank, "error")
 
 
-@scenario("self-check-warn-on-one-rank")
-def self_check_warn_on_one_rank(rank: Rank) -> dict[str, Any]:
-    return _self_check_fails_on_rank_one(rank, "warn")
+@scenario("self-check-warn")
+def self_check_warn(rank: Rank) -> dict[str, Any]:
+    return _self_check_fails(rank, "warn")
+
+
+@scenario("static-probe-oom")
+def static_probe_oom(rank: Rank) -> dict[str, Any]:
+    """Static full mode: the first run of the SOT-translated program runs out of memory on one
+    rank (a real error, not SOT's verdict that the model is not one clean graph)."""
+    from fastdeploy.model_executor.graph_optimization.utils import in_profile_run_mode
+
+    def static_program_fails(model: Any) -> None:
+        # GraphOptBackend hands the backend its SOT-translated runnable, whose first run outside
+        # the profile run is the static full probe.
+        static = model.graph_opt_backend.runnable
+
+        def runnable(**kwargs: Any) -> Any:
+            if not in_profile_run_mode():
+                raise RuntimeError(OOM)
+            return static(**kwargs)
+
+        model.graph_opt_backend.runnable = runnable
+
+    config = tp_config(rank, cudagraph_capture_sizes=[4, 2, 1], graph_opt_level=1)
+    return _facts(capture(config, prepare=static_program_fails if rank.faulty else None))
+
+
+@scenario("static-probe-breakgraph")
+def static_probe_breakgraph(rank: Rank) -> dict[str, Any]:
+    """SOT says on one rank only that the model is not one clean graph: every rank then
+    captures decode from the dygraph model, so their graphs (and registrations) line up."""
+    from fastdeploy.model_executor.graph_optimization.utils import in_profile_run_mode
+
+    def not_one_graph(model: Any) -> None:
+        static = model.graph_opt_backend.runnable
+
+        def runnable(**kwargs: Any) -> Any:
+            if not in_profile_run_mode():
+                raise RuntimeError(
+                    "Model has breakgraph, please set env SOT_LOG_LEVEL=3 to check it."
+                )
+            return static(**kwargs)
+
+        model.graph_opt_backend.runnable = runnable
+
+    config = tp_config(rank, cudagraph_capture_sizes=[4, 2, 1], graph_opt_level=1)
+    backend = capture(config, prepare=not_one_graph if rank.faulty else None)
+    return {**_facts(backend), "static_full_decode": backend.stats()["static_full_decode"]}
+
+
+@scenario("static-full")
+def static_full(rank: Rank) -> dict[str, Any]:
+    """Static full mode, healthy: every rank agrees Paddle's graphs decode."""
+    config = tp_config(rank, cudagraph_capture_sizes=[4, 2, 1], graph_opt_level=1)
+    backend = capture(config)
+    return {**_facts(backend), "static_full_decode": backend.stats()["static_full_decode"]}
+
+
+@scenario("fails-between-backend-calls")
+def fails_between_backend_calls(rank: Rank) -> dict[str, Any]:
+    """FastDeploy's own code raises on one rank after the size-4 decode step (its sampler, say):
+    the other ranks are already past the backend's last agreement point for that size."""
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin.core import worker
+
+    class SamplerFails(GPUModelRunner):
+        def _run(self, num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids=None):
+            out = super()._run(num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids)
+            if rank.faulty and worker.current().session is not None and num_tokens == 4:
+                raise RuntimeError("sampler: CUDA error(700): an illegal memory access")
+            return out
+
+    config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+    return _facts(capture(config, runner_cls=SamplerFails))
+
+
+@scenario("never-joins")
+def never_joins(rank: Rank) -> dict[str, Any]:
+    """The faulty rank never starts capture_model() (it died, or runs without the plugin)."""
+    if rank.faulty:
+        return {"skipped": True}
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "3"):
+        return _facts(capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])))
 
 
 # ---------------------------------------------------------------------------------- driver
 
 
-#: How many ranks answered each exchange over the TP group during the current scenario.
-_exchanges: list[int] = []
+class _env:
+    def __init__(self, name: str, value: str) -> None:
+        self.name, self.value = name, value
+
+    def __enter__(self) -> None:
+        self.previous = os.environ.get(self.name)
+        os.environ[self.name] = self.value
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.previous
 
 
-def _count_exchanges() -> None:
-    """Note every exchange the plugin makes, so the test sees the real collective ran."""
-    from fd_cudagraph_plugin.core import session
+def _ar() -> Any:
+    from fastdeploy.distributed import communication
 
-    gather = session.PaddleExchange.all_gather
+    return communication._TP_AR
 
-    def counted(self: Any, obj: Any) -> list[Any]:
-        everyone = gather(self, obj)
-        _exchanges.append(len(everyone))
-        return everyone
 
-    session.PaddleExchange.all_gather = counted
+def _fresh_worker(rank: Rank, name: str) -> None:
+    """What a new worker process starts with."""
+    from fastdeploy.distributed import communication
+    from fastdeploy.distributed.custom_all_reduce import CustomAllreduce
+    from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
+
+    from fd_cudagraph_plugin.core import runtime, worker
+    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
+
+    gc.collect()
+    state = worker.reset_for_tests()
+    if hasattr(state, "link_prefix"):
+        state.link_prefix = f"fd-cudagraph/test/{name}"
+    runtime.install_runtime(SimulatedRuntime())
+    communication._TP_AR = CustomAllreduce(rank.group, initialized=True)
+    OpcodeExecutorCache().clear()  # one model per worker, as FastDeploy's SOT check expects
 
 
 def _run(name: str, rank: Rank) -> dict[str, Any]:
-    from fd_cudagraph_plugin.core import capture as capture_module
-    from fd_cudagraph_plugin.core import session
     from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
 
-    _exchanges.clear()
+    started = time.monotonic()
     try:
         facts = {"outcome": "ok", "message": "", **SCENARIOS[name](rank)}
     except CudaGraphPluginError as error:
         facts = {"outcome": type(error).__name__, "message": str(error)}
-    finally:
-        # The next scenario starts as a fresh worker would: no live backends, no session.
-        gc.collect()
-        session.reset_for_tests()
-        capture_module.reset_for_tests()
-    return {"rank": rank.index, "exchanges": list(_exchanges), **facts}
+    except Exception as error:  # FastDeploy's own rewrapping, or the plugin failing to agree
+        facts = {"outcome": f"other:{type(error).__name__}", "message": str(error)}
+    return {"rank": rank.index, "seconds": time.monotonic() - started, **facts}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), required=True)
+    parser.add_argument("--scenario", action="append", required=True)
     parser.add_argument(
         "--deadline", type=float, default=90.0, help="seconds before this rank dumps and exits"
     )
@@ -196,18 +375,24 @@ def main() -> int:
 
     import paddle.distributed as dist
 
-    dist.init_parallel_env()
+    # The job's default group is the TP group here (FastDeploy makes its TP group with new_group
+    # over the same ranks when the job is one TP group); a second gloo rendezvous over the same
+    # ranks now and then finds a peer's port refused on this machine.
+    group = dist.init_parallel_env()
     world = dist.get_world_size()
-    rank = Rank(dist.get_rank(), world, dist.new_group(list(range(world))))
-    (args.out / f"pid.rank{rank.index}").write_text(str(os.getpid()))
+    index = dist.get_rank()
+    (args.out / f"pid.rank{index}").write_text(str(os.getpid()))
 
     from fd_cudagraph_plugin import plugin
 
     plugin.register()
-    _count_exchanges()
-    for name in args.scenario:
+    for entry in args.scenario:
+        name, _, faulty = entry.partition("@")
+        rank = Rank(index, world, group, faulty != "" and int(faulty) == index)
+        _fresh_worker(rank, entry.replace("@", "-on-"))
         facts = _run(name, rank)
-        (args.out / f"{name}.rank{rank.index}.json").write_text(json.dumps(facts))
+        (args.out / f"{entry}.rank{index}.json").write_text(json.dumps(facts))
+        dist.barrier(group=group)  # the next scenario starts together, as a new job would
     faulthandler.cancel_dump_traceback_later()
     return 0
 

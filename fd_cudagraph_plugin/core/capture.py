@@ -1,9 +1,11 @@
-"""Capturing one entry: the order check, warm-ups, the pool, the all-reduce context, accounting.
+"""Capturing one entry: the order check, warm-ups, the pool, the custom all-reduce, accounting,
+and the self-check, each step followed by an agreement point (``session.Points``).
 
 Dynamic entries are captured by the runtime (``runtime/``); static ones by Paddle inside its
-partial programs (``static.py``). Warm-ups run outside FastDeploy's custom all-reduce capture
-context and the capture inside it: inside the context, every all-reduce that is not being captured
-returns an uninitialised buffer, and leaving it registers the new graph's buffers on every rank.
+partial programs (``static.py``). Warm-ups run outside FastDeploy's custom all-reduce capture state
+and the capture inside it: there, every all-reduce that is not being captured returns an
+uninitialised buffer. The graph's buffers are registered (a collective over the TP group) only
+once every rank has said its capture succeeded.
 """
 
 from __future__ import annotations
@@ -14,47 +16,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core import allreduce, stats
-from fd_cudagraph_plugin.core.entries import DECODE, GraphEntry
-from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError
-from fd_cudagraph_plugin.core.memory import pools_for
+from fd_cudagraph_plugin.core import fastdeploy, stats
+from fd_cudagraph_plugin.core.entries import GraphEntry
+from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError, SelfCheckError
+from fd_cudagraph_plugin.core.key import DECODE
 from fd_cudagraph_plugin.core.runtime import GraphRuntime
-from fd_cudagraph_plugin.core.session import CaptureSession, Member
+from fd_cudagraph_plugin.core.session import CaptureSession, Member, Points
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
 logger = logging.getLogger("fd_cudagraph_plugin")
-
-_OOM_ADVICE = (
-    "Out of memory: lower --max-num-seqs or --gpu-memory-utilization, or trim "
-    "cudagraph_capture_sizes in --graph-optimization-config."
-)
-_OP_ADVICE = (
-    "An op in the model cannot be captured or run at this size: fix it, or serve without CUDA "
-    "graphs (--graph-optimization-config '{\"use_cudagraph\": false}')."
-)
-_RESTART = (
-    " The failure happened inside the capture, after which Paddle cannot capture again in this "
-    "process: restart the worker once the cause is fixed."
-)
-
-_process_warmed = False
-_dot_unsupported_logged = False
-
-
-def process_warmed() -> bool:
-    """True once any eager warm-up has run in this process (a cold capture fails, e.g. cuBLAS)."""
-    return _process_warmed
-
-
-def mark_warmed() -> None:
-    global _process_warmed
-    _process_warmed = True
-
-
-def reset_for_tests() -> None:
-    global _process_warmed
-    _process_warmed = False
 
 
 class Capturer:
@@ -74,29 +45,15 @@ class Capturer:
         #: The pool this backend captures into; taken at its first capture, given back on clear.
         self.pool: object | None = None
         self.captures = 0
-        self.reset()
+        self._next = 0
+        self._dot_unsupported_logged = False
 
     def reset(self) -> None:
-        """Forget the captures since the last clear (the graphs are released by the caller)."""
+        """Forget the captures since the last clear (the caller released the graphs)."""
         self._next = 0
-        self._since_clear = 0
-
-    def release_pool(self, owner: object) -> None:
-        pools_for(self.runtime).release(self.pool_policy, self.pool, id(owner))
-        self.pool = None
-
-    def warm_only(
-        self,
-        owner: Member,
-        entry: GraphEntry,
-        runnable: Callable,
-        kwargs: dict,
-        session: CaptureSession,
-    ) -> Any:
-        """The warm-only pass of ``warm_all_first``: warm up, capture nothing."""
-        count = max(self.settings.num_warmups, 1)
-        session.note_warmups(owner, entry.phase, entry.size, count)
-        return self._warm_up(runnable, kwargs, count)
+        if self.pool is not None:
+            self.runtime.release_pool(self.pool)
+            self.pool = None
 
     def capture(
         self,
@@ -104,55 +61,82 @@ class Capturer:
         entry: GraphEntry,
         runnable: Callable,
         kwargs: dict,
-        static: bool,
+        points: Points,
         session: CaptureSession | None,
     ) -> None:
-        """Warm up and capture ``entry``; raise ``CaptureError`` naming the size and the cause."""
+        """Warm up and capture ``entry``. Raises the agreed ``CaptureError`` when this or any
+        other rank failed; then nothing of this capture is published."""
+        key = entry.key
         if session is not None:
             session.before_capture()
-        if entry.phase == DECODE:
-            self._check_order(entry.size)
-        if self.pool is None and not static:
-            self.pool = pools_for(self.runtime).acquire(self.pool_policy, id(owner))
-        warmups = self._warmup_count(session)
+        warmups = self.settings.num_warmups
+        if not self.runtime.warmed:
+            # Capturing a cold model fails: libraries initialise lazily (cuBLAS raised
+            # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.
+            warmups = max(warmups, 1)
+
+        def warm_up() -> None:
+            if key.phase == DECODE:
+                self._check_order(key.size)
+            if self.pool is None and not key.static and self.pool_policy == "instance":
+                self.pool = self.runtime.new_pool()
+            for _ in range(warmups):
+                runnable(**kwargs)
+                self.runtime.warmed = True
+
         started = time.perf_counter()
-        stage = "warm-up"
-        graph = result = None
-        try:
-            self._warm_up(runnable, kwargs, warmups)
+        points.run("warm-up", owner, key, warm_up)
+        allreduce = fastdeploy.custom_allreduce()
+        done: dict[str, Any] = {}
+
+        def capture() -> None:
             self.runtime.synchronize()
             # Measured around the capture alone: warm-ups may grow ordinary allocator memory.
             before = self.runtime.pool_bytes(self.pool)
-            stage = "capture"
-            with allreduce.capture_context():  # its exit registers the buffers on every rank
-                if static:
-                    self.static.capture(runnable, kwargs, entry.size)
+            with fastdeploy.allreduce_capturing(allreduce):
+                if key.static:
+                    self.static.capture(runnable, kwargs, key.size)
+                    done["static"] = True
                 else:
-                    graph, result = self.runtime.capture(lambda: runnable(**kwargs), self.pool)
-            graph_bytes = self.runtime.pool_bytes(self.pool) - before
-        except Exception as error:
+                    done["graph"], done["result"] = self.runtime.capture(
+                        lambda: runnable(**kwargs), self.pool
+                    )
+            done["bytes"] = self.runtime.pool_bytes(self.pool) - before
+
+        try:
+            points.run("capture", owner, key, capture)
+            if allreduce is not None:
+                points.run(
+                    "registration",
+                    owner,
+                    key,
+                    lambda: fastdeploy.register_graph_buffers(allreduce),
+                )
+        except CaptureError:
             # Nothing of a failed capture is published: a graph whose all-reduce buffers were
-            # not registered must never replay.
+            # not registered on every rank must never replay.
+            graph = done.pop("graph", None)
             if graph is not None:
                 graph.release()
-            raise self._error(entry, static, stage, error) from error
-        if graph is not None:
-            entry.graph, entry.result, entry.replay = graph, result, graph.replay
-        entry.graph_bytes = graph_bytes
-        entry.static_captured = static
+            if done.pop("static", False):
+                self.static.discard(key.size)
+            done.clear()
+            raise
+        if "graph" in done:
+            entry.graph, entry.result = done["graph"], done["result"]
+            entry.replay = entry.graph.replay
+        entry.static_captured = key.static
+        entry.graph_bytes = done["bytes"]
         entry.capture_seconds = time.perf_counter() - started
-        if entry.phase == DECODE:
+        if key.phase == DECODE:
             self._next += 1
-        self._since_clear += 1
         self.captures += 1
         if session is not None:
             session.record(
-                owner, entry.phase, entry.size, entry.capture_seconds, entry.graph_bytes, warmups
+                owner, key.phase, key.size, entry.capture_seconds, entry.graph_bytes, warmups
             )
-        logger.debug(
-            "captured %s graph of size %d in %.3f s", entry.phase, entry.size, entry.capture_seconds
-        )
-        if not static:
+        logger.debug("captured %s graph in %.3f s", key, entry.capture_seconds)
+        if not key.static:
             options = self.settings.options
             if options.check_addresses:
                 from fd_cudagraph_plugin.core import guards
@@ -161,10 +145,36 @@ class Capturer:
             if options.dump_dot:
                 self._dump_dot(owner, entry)
 
+    def self_check(
+        self, owner: Member, entry: GraphEntry, eager: Callable[[], Any], points: Points
+    ) -> list[str]:
+        """Replay the new graph against eager on every rank; every rank acts on every rank's
+        verdict: raise (``error``) or return the disagreements (``warn``, serve eagerly)."""
+        from fd_cudagraph_plugin.core import guards
+
+        verdicts = points.share(
+            "self-check", owner, entry.key, lambda: guards.self_check(entry, eager)
+        )
+        found = [(rank, message) for rank, message in enumerate(verdicts) if message]
+        if not found:
+            return []
+        world = len(verdicts)
+        messages = [m if world == 1 else f"rank {r}: {m}" for r, m in found]
+        if self.settings.options.self_check == "error":
+            text = "; ".join(messages) + " (FD_CUDAGRAPH_SELF_CHECK=error)"
+            if world > 1:
+                text += " Every tensor-parallel rank stops here."
+            points.failure = SelfCheckError(
+                text, stage="self-check", failed_ranks=tuple(r for r, _ in found)
+            )
+            raise points.failure
+        return messages
+
     def _check_order(self, size: int) -> None:
-        """Every TP rank must capture the same sizes in the same order (see allreduce.py)."""
-        if _is_xpu():
-            return
+        """Every TP rank must capture the same sizes in the same order: each graph's buffer
+        registration is a collective whose lists the ranks match by position."""
+        if fastdeploy.is_xpu():
+            return  # FastDeploy does not check it there either
         plan = self.settings.capture_sizes
         if self._next >= len(plan):
             raise CaptureOrderError(
@@ -182,27 +192,6 @@ class Capturer:
                 f"every rank."
             )
 
-    def _warmup_count(self, session: CaptureSession | None) -> int:
-        policy = self.settings.options.warmup
-        count = self.settings.num_warmups
-        if policy == "warm_all_first" and session is not None:
-            count = 0  # every size was warmed in the session's first pass
-        elif policy == "largest_only" and self._since_clear:
-            count = 0
-        if not process_warmed():
-            # Capturing a cold model fails: libraries initialise lazily (cuBLAS raised
-            # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.
-            count = max(count, 1)
-        return count
-
-    @staticmethod
-    def _warm_up(runnable: Callable, kwargs: dict, count: int) -> Any:
-        result = None
-        for _ in range(count):
-            result = runnable(**kwargs)
-            mark_warmed()
-        return result
-
     def _dump_dot(self, owner: object, entry: GraphEntry) -> None:
         directory = os.path.join(os.environ.get("FD_LOG_DIR", "log"), "GraphDotFiles")
         path = os.path.join(directory, f"backend{id(owner):x}_{entry.phase}{entry.size}")
@@ -212,33 +201,8 @@ class Capturer:
         except OSError as error:
             stats.output_failed("FD_CUDAGRAPH_DUMP_DOT", path, error)
             return
-        global _dot_unsupported_logged
-        if not written and not _dot_unsupported_logged:
-            _dot_unsupported_logged = True
+        if not written and not self._dot_unsupported_logged:
+            self._dot_unsupported_logged = True
             logger.warning(
                 "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.", self.runtime.name
             )
-
-    def _error(self, entry: GraphEntry, static: bool, stage: str, error: Exception) -> CaptureError:
-        """Name the size, the mode, the stage and the cause. Only an out-of-memory cause gets
-        memory advice: FastDeploy's capture_model() rewraps any error whose text says "out of
-        memory" as a CUDA OOM, which would hide a graph break or an uncapturable op."""
-        settings = self.settings
-        out_of_memory = "out of memory" in str(error).lower() or isinstance(error, MemoryError)
-        return CaptureError(
-            f"CUDA graph {stage} failed for {entry.phase} size {entry.size} "
-            f"({'static' if static else 'dynamic'} mode, "
-            f"graph_opt_level={settings.graph_opt_level}, "
-            f"full_cuda_graph={settings.full_cuda_graph}): {type(error).__name__}: "
-            f"{str(error).rstrip('. ')}. "
-            f"{_OOM_ADVICE if out_of_memory else _OP_ADVICE}"
-            f"{_RESTART if stage == 'capture' else ''}"
-        )
-
-
-def _is_xpu() -> bool:
-    try:
-        from fastdeploy.platforms import current_platform
-    except ImportError:
-        return False
-    return bool(current_platform.is_xpu())

@@ -12,8 +12,39 @@ class ConfigError(CudaGraphPluginError, ValueError):
 
 
 class CaptureError(CudaGraphPluginError, RuntimeError):
-    """Warm-up or capture of one graph failed; no graph of that size is served. After a failure
-    inside the capture itself, Paddle cannot capture again in this process."""
+    """A capture session stopped: a warm-up, capture, registration, self-check or probe failed on
+    some rank, or a rank never came. Under tensor parallelism every rank raises the same one, at
+    the same agreement point. After a failure inside the capture itself, Paddle cannot capture
+    again in that process.
+
+    ``failed_ranks`` names the ranks whose own step failed, ``missing_ranks`` those that never
+    reached the point; ``stage`` is where (``warm-up``, ``capture``, ``registration``, ...)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str = "",
+        failed_ranks: tuple[int, ...] = (),
+        missing_ranks: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.failed_ranks = failed_ranks
+        self.missing_ranks = missing_ranks
+
+
+class RankMismatchError(CaptureError):
+    """Tensor-parallel ranks disagree about the capture plan; capturing would hang."""
+
+
+class RankTimeoutError(CaptureError):
+    """A tensor-parallel rank never reached an agreement point (it exited, hangs, or does not run
+    the plugin); the ranks that waited stop instead of entering a collective it will not join."""
+
+
+class SelfCheckError(CaptureError):
+    """A replay disagreed with eager on the same inputs (``FD_CUDAGRAPH_SELF_CHECK=error``)."""
 
 
 class CaptureIncompleteError(CudaGraphPluginError, ValueError):
@@ -27,17 +58,5 @@ class CaptureOrderError(CudaGraphPluginError, RuntimeError):
     """Graphs were captured in an order that differs from the plan every rank follows."""
 
 
-class RankMismatchError(CudaGraphPluginError, RuntimeError):
-    """Tensor-parallel ranks disagree about the capture plan; capturing would hang."""
-
-
-class TraceError(CudaGraphPluginError, ValueError):
-    """A trace or stats file given to ``fd-cudagraph tune`` is unreadable; names file and line."""
-
-
 class AddressGuardError(CudaGraphPluginError, RuntimeError):
     """A graph input now lives at another address than at capture."""
-
-
-class SelfCheckError(CudaGraphPluginError, RuntimeError):
-    """A replay disagreed with eager on the same inputs (``FD_CUDAGRAPH_SELF_CHECK``)."""

@@ -48,6 +48,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1 <= value <= MAX_INTERVAL_SECONDS:
+        raise ValueError(
+            f"must be a number of seconds from 1 to {MAX_INTERVAL_SECONDS:.0f} (a day)"
+        )
+    return value
+
+
 #: Placeholders of output paths, expanded per process by ``stats.output_path``.
 PATH_PLACEHOLDERS = ("{rank}", "{dp_rank}")
 
@@ -120,17 +132,17 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "FD_CUDAGRAPH_POOL",
         "instance",
-        ("instance", "device", "graph"),
-        "Graph memory pools: one per backend (FastDeploy's `use_unique_memory_pool=true`), one "
-        "per device shared by every backend (not with a draft model), or Paddle's private pool per "
-        "graph.",
+        ("instance", "graph"),
+        "Graph memory pools: one per backend (FastDeploy's `use_unique_memory_pool=true`), or "
+        "Paddle's private pool per graph.",
     ),
     Option(
-        "FD_CUDAGRAPH_WARMUP",
-        "per_size",
-        ("per_size", "warm_all_first", "largest_only"),
-        "Eager warm-ups before capture: before each size, every size before any capture, or only "
-        "before the largest.",
+        "FD_CUDAGRAPH_RANK_TIMEOUT",
+        "300",
+        (),
+        "Seconds a tensor-parallel rank waits at a capture agreement point for the others before "
+        "it stops with an error naming the ranks that never came.",
+        _timeout,
     ),
     Option(
         "FD_CUDAGRAPH_CHECK_ADDRESSES",
@@ -186,16 +198,35 @@ BY_ENV = {option.env: option for option in OPTIONS}
 
 #: Options and values that earlier versions had, with why they went. Setting one is an error, so a
 #: deployment that relied on one learns it at start-up instead of silently getting other behaviour.
-REMOVED: dict[str, str] = {
+REMOVED: dict[str, tuple[str, str]] = {
     "FD_CUDAGRAPH_AR_REGISTRATION": (
+        "0.2",
         "custom all-reduce buffers are now always registered after each graph, as FastDeploy "
         "does: inside FastDeploy's capture context every eager step all-reduces into empty "
         "buffers, so registering once per session computed garbage and could replay a graph "
-        "before its buffers were registered"
+        "before its buffers were registered",
     ),
     "FD_CUDAGRAPH_LATE_CAPTURE": (
+        "0.2",
         "a size first seen after capture_model() now always runs eagerly: a capture on one "
-        "tensor-parallel rank alone hangs the others"
+        "tensor-parallel rank alone hangs the others",
+    ),
+    "FD_CUDAGRAPH_WARMUP": (
+        "0.3",
+        "every size now gets FastDeploy's cudagraph_num_of_warmups eager runs right before its "
+        "capture. warm_all_first ran all of capture_model() twice; largest_only captured sizes "
+        "never run before, and with Paddle's autotune (FLAGS_use_autotune), cuBLASLt global "
+        "search or cuDNN exhaustive search a first-seen shape is timed with stream syncs, which "
+        "invalidates a capture, and a failed capture is fatal to a Paddle process",
+    ),
+}
+
+#: Values of options that remain, removed with why.
+REMOVED_VALUES: dict[tuple[str, str], str] = {
+    ("FD_CUDAGRAPH_POOL", "device"): (
+        "one pool shared by every backend of the process equals instance wherever it was allowed "
+        "(a FastDeploy model has one decorated backbone) and was refused with a draft model, "
+        "where a draft replay could overwrite target outputs still in use"
     ),
 }
 
@@ -218,10 +249,19 @@ def unknown_options(environ: Mapping[str, str]) -> list[str]:
 
 def removed_option_error(environ: Mapping[str, str]) -> ConfigError | None:
     """The error for the first removed option set in ``environ``, or None."""
-    for env, why in REMOVED.items():
+    for env, (version, why) in REMOVED.items():
         raw = environ.get(env)
         if raw is not None and raw.strip():
-            return ConfigError(f"{env} was removed in fd-cudagraph-plugin 0.2: {why}. Unset {env}.")
+            return ConfigError(
+                f"{env} was removed in fd-cudagraph-plugin {version}: {why}. Unset {env}."
+            )
+    for (env, value), why in REMOVED_VALUES.items():
+        raw = environ.get(env)
+        if raw is not None and raw.strip().lower() == value:
+            return ConfigError(
+                f"{env}={value} was removed in fd-cudagraph-plugin 0.3: {why}. Unset {env} (the "
+                f"default, {BY_ENV[env].default}, is what it gave)."
+            )
     return None
 
 
@@ -253,7 +293,7 @@ class PluginOptions:
     runtime: str
     pool: str
     pool_set: bool
-    warmup: str
+    rank_timeout: float
     check_addresses: int
     self_check: str
     memory_report: str
@@ -277,7 +317,7 @@ class PluginOptions:
             runtime=get("RUNTIME"),
             pool=get("POOL"),
             pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
-            warmup=get("WARMUP"),
+            rank_timeout=get("RANK_TIMEOUT"),
             check_addresses=get("CHECK_ADDRESSES"),
             self_check=get("SELF_CHECK"),
             memory_report=get("MEMORY_REPORT"),

@@ -1,27 +1,30 @@
-"""Capture sessions: FastDeploy's capture loops, wrapped.
+"""Capture sessions: FastDeploy's capture loops, wrapped, and the points where ranks agree.
 
-FastDeploy's ``GPUModelRunner.capture_model()`` (decode) and ``capture_model_prefill_and_mixed()``
-(static split prefill) own the dummy runs that make the backends capture. The plugin keeps those
-loops and runs each inside a ``CaptureSession``, which:
+FastDeploy's ``capture_model()`` (decode) and ``capture_model_prefill_and_mixed()`` (static split
+prefill) own the dummy runs that make the backends capture. Each runs inside a ``CaptureSession``
+(``hooks.py`` opens it), which:
 
-* freezes Python's GC for the session, so no collection of the process's live objects runs in the
-  middle of capturing (vLLM measured per-size capture time falling from about 5 s to under 0.5 s
-  with this), and unfreezes afterwards, also on error. It does not collect first, as vLLM does: a
-  full collection with Paddle loaded took 60-100 ms, one-off time FastDeploy's own capture does
-  not spend, and garbage frozen for the session is collected after it;
-* before the first capture, exchanges a fingerprint of the capture plan with every tensor-parallel
-  rank and raises ``RankMismatchError`` with a per-rank diff instead of hanging later inside the
-  custom all-reduce registration collective (vLLM #39788, SGLang #11275, #16237);
-* shows a progress bar per phase on rank 0, records each size's capture time and graph memory, and
-  ends with one summary line in the log and a ``CaptureReport`` kept on every backend;
-* runs the warm-only first pass of ``FD_CUDAGRAPH_WARMUP=warm_all_first``.
+* freezes Python's GC for the session (without a full collection first: with Paddle loaded one
+  took 60-100 ms that FastDeploy's own capture does not spend) and restores it, also on error;
+* has every tensor-parallel rank agree at fixed points (``Points``), so that a failure on one rank
+  becomes the same ``CaptureError`` on every rank before any rank enters a collective the failed
+  one will not join;
+* shows a progress bar per phase on rank 0, records each graph's capture time and memory, and
+  ends with one summary line and a ``CaptureReport`` on every member backend.
 
-Graphs are captured only inside a session: after the last one has ended, a size seen for the first
-time runs eagerly, because a capture on one tensor-parallel rank alone would hang the others.
+The agreement points of a session, in order (TP = 1 runs the same code, agreeing with itself):
 
-The session talks to backends only through ``Member``; backends use only the session's public
-surface (``active()``, ``sessions_ended()``, ``warm_only``, ``before_capture``, ``note_warmups``,
-``record``, ``self_check_failed``).
+1. ``plan`` at the start: every rank's capture plan; a difference is a ``RankMismatchError``;
+2. per graph: ``warm-up`` (after the eager warm-ups, before the device synchronises: a rank whose
+   warm-up failed never launched its all-reduces, so a peer must not block on them),
+   ``capture`` (before the custom all-reduce registration, so a failed rank is never waited for
+   there), ``registration`` (before the next warm-up's all-reduces), ``self-check`` when it is on;
+3. ``static probe`` before the first static-full decode capture: which graphs decode;
+4. ``end``: catches a rank that failed anywhere between two points (FastDeploy's code between
+   backend calls included): that rank posts its failure at its next point, whichever it is.
+
+A rank whose step failed still posts and waits at that point; every rank raises the error built
+from all ranks' statuses, so the message is the same on every rank.
 """
 
 from __future__ import annotations
@@ -34,13 +37,40 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from fd_cudagraph_plugin.core import stats
-from fd_cudagraph_plugin.core.errors import RankMismatchError
+from fd_cudagraph_plugin.core import fastdeploy, stats, worker
+from fd_cudagraph_plugin.core.agreement import Link, LocalLink, Outcome, SocketLink, bind_host
+from fd_cudagraph_plugin.core.errors import (
+    CaptureError,
+    CudaGraphPluginError,
+    RankMismatchError,
+    RankTimeoutError,
+    SelfCheckError,
+)
+from fd_cudagraph_plugin.core.key import GraphKey
 from fd_cudagraph_plugin.core.options import PluginOptions
 
 logger = logging.getLogger("fd_cudagraph_plugin")
+
+T = TypeVar("T")
+
+_OOM_ADVICE = (
+    "Out of memory: lower --max-num-seqs or --gpu-memory-utilization, or trim "
+    "cudagraph_capture_sizes in --graph-optimization-config."
+)
+_OP_ADVICE = (
+    "An op in the model cannot be captured or run at this size: fix it, or serve without CUDA "
+    "graphs (--graph-optimization-config '{\"use_cudagraph\": false}')."
+)
+_REGISTRATION_ADVICE = (
+    "FastDeploy's custom all-reduce could not register the graph's buffers: serve with "
+    "--disable-custom-all-reduce, or without CUDA graphs."
+)
+_RESTART = (
+    " The failure happened inside the capture, after which Paddle cannot capture again in that "
+    "process: restart the worker once the cause is fixed."
+)
 
 
 def human_bytes(count: int) -> str:
@@ -67,10 +97,12 @@ class CaptureReport:
 
     phase: str
     rank: int
-    warmup_policy: str
     seconds: float = 0.0
-    #: Of ``seconds``: the one-off start (GC freeze, the plan exchange).
+    #: Of ``seconds``: the one-off start (GC freeze, the plan agreement).
     setup_seconds: float = 0.0
+    #: Of ``seconds``: time spent at agreement points (waiting for other ranks included).
+    agreement_seconds: float = 0.0
+    agreement_points: int = 0
     records: list[CaptureRecord] = field(default_factory=list)
 
     @property
@@ -86,15 +118,17 @@ class CaptureReport:
         return max((r.graph_bytes for r in self.records), default=0)
 
     def summary(self) -> str:
+        seconds = _seconds(self.seconds)
         if not self.records:
-            return f"{self.phase} capture session: no graphs captured in {self.seconds:.1f} s"
+            return f"{self.phase} capture session: no graphs captured in {seconds}"
         sizes = sorted({r.size for r in self.records})
         warmups = sorted({r.warmups for r in self.records})
         warm = f"{warmups[0]}" if len(warmups) == 1 else f"{warmups[0]}-{warmups[-1]}"
         backends = len({r.backend for r in self.records})
+        size_text = f"size {sizes[0]}" if len(sizes) == 1 else f"sizes {sizes[0]}..{sizes[-1]}"
         return (
-            f"captured {self.graphs} graphs (sizes {sizes[0]}..{sizes[-1]}"
-            f"{f', {backends} backends' if backends > 1 else ''}) in {self.seconds:.1f} s, "
+            f"captured {self.graphs} graph{'s' if self.graphs != 1 else ''} ({size_text}"
+            f"{f', {backends} backends' if backends > 1 else ''}) in {seconds}, "
             f"graph memory {human_bytes(self.graph_bytes)} "
             f"(largest graph {human_bytes(self.largest_graph_bytes)}), {warm} warm-ups each"
         )
@@ -106,19 +140,25 @@ class CaptureReport:
             "rank": self.rank,
             "seconds": round(self.seconds, 6),
             "setup_seconds": round(self.setup_seconds, 6),
+            "agreement_seconds": round(self.agreement_seconds, 6),
+            "agreement_points": self.agreement_points,
             "graphs": self.graphs,
             "graph_bytes": self.graph_bytes,
             "largest_graph_bytes": self.largest_graph_bytes,
-            "warmup_policy": self.warmup_policy,
             "captures": [asdict(r) for r in self.records],
         }
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value >= 0.1 else f"{value * 1e3:.0f} ms"
+
+
 class Member(Protocol):
-    """What a session asks of each live backend (``stats.live_backends()``)."""
+    """What a session asks of each backend taking part in it."""
 
     role: str
     capture_report: CaptureReport | None
+    settings: Any
 
     def plan_fingerprint(self) -> dict[str, Any]:
         """What must be equal on every tensor-parallel rank for captures to line up."""
@@ -126,72 +166,239 @@ class Member(Protocol):
     def graphs_expected(self, phase: str) -> int:
         """How many graphs of ``phase`` this backend captures in a full session."""
 
-    def disable_graph(self, phase: str, size: int) -> None:
-        """Serve ``size`` eagerly from now on: its self-check failed on some rank."""
+    def join_session(self, session: CaptureSession | None) -> None:
+        """The session opened (or, with None, closed) for this backend."""
 
 
-class PlanExchange(Protocol):
-    """Gathers one object from every tensor-parallel rank, in rank order."""
-
-    def all_gather(self, obj: Any) -> list[Any]: ...
+# ------------------------------------------------------------------------ agreement points
 
 
-class PaddleExchange:
-    """The TP group's ``all_gather_object``: what FastDeploy workers use."""
+def _failure(stage: str, where: str, mode: str, rank: int, error: BaseException) -> dict:
+    text = str(error).rstrip(". ")
+    return {
+        "rank": rank,
+        "stage": stage,
+        "where": where,
+        "mode": mode,
+        "error": f"{type(error).__name__}: {text}",
+        "out_of_memory": "out of memory" in text.lower() or isinstance(error, MemoryError),
+        # The plugin's own errors (capture order, configuration) already say what to do.
+        "explained": isinstance(error, CudaGraphPluginError),
+    }
 
-    def __init__(self, group: Any) -> None:
-        self._group = group
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        import paddle.distributed as dist
+def _advice(failures: list[dict]) -> str:
+    if any(f["out_of_memory"] for f in failures):
+        return " " + _OOM_ADVICE
+    unexplained = [f for f in failures if not f["explained"]]
+    if not unexplained:
+        return ""
+    if all(f["stage"] == "registration" for f in unexplained):
+        return " " + _REGISTRATION_ADVICE
+    if all(f["stage"] in ("warm-up", "capture", "static probe") for f in unexplained):
+        return " " + _OP_ADVICE
+    return ""
 
-        gathered: list[Any] = []
-        dist.all_gather_object(gathered, obj, group=self._group)
-        return gathered
 
+def agreed_error(outcome: Outcome, world: int, timeout: float, rank: int) -> CaptureError | None:
+    """The error every rank raises for ``outcome``, or None when every rank is fine.
 
-def default_exchange(fd_config: Any) -> PlanExchange | None:
-    parallel = getattr(fd_config, "parallel_config", None)
-    if getattr(parallel, "tensor_parallel_size", 1) <= 1:
+    Built only from the outcome, which the server gives every rank alike, so the text is the same
+    on every rank (the rank that raises it is in its worker log's name)."""
+    failures = outcome.failures
+    missing = [r for r in outcome.missing if r not in failures]
+    if not failures and not missing:
         return None
-    return PaddleExchange(getattr(parallel, "tp_group", None))
+    parts = []
+    for failed_rank, failure in failures.items():
+        where = f" for {failure['where']}" if failure["where"] else ""
+        on = f" on tensor-parallel rank {failed_rank} of {world}" if world > 1 else ""
+        parts.append(
+            f"CUDA graph {failure['stage']} failed{on}{where} ({failure['mode']}): "
+            f"{failure['error']}"
+        )
+    text = "; ".join(parts)
+    if failures:
+        text += "." + _advice(list(failures.values()))
+        if any(f["stage"] == "capture" for f in failures.values()):
+            text += _RESTART
+    if missing:
+        lost = [r for r in missing if r in outcome.lost]
+        late = [r for r in missing if r not in outcome.lost]
+        if text:
+            text += " "
+        if lost:
+            text += (
+                f"Tensor-parallel rank{_s(lost)} {_ranks(lost)} closed {_their(lost)} connection "
+                f"(the process exited or crashed) before the agreement point "
+                f"'{outcome.label}'. "
+            )
+        if late:
+            text += (
+                f"Tensor-parallel rank{_s(late)} {_ranks(late)} did not reach the agreement point "
+                f"'{outcome.label}' within {timeout:.0f} s (FD_CUDAGRAPH_RANK_TIMEOUT): "
+                f"{'it' if len(late) == 1 else 'they'} exited, hang, or do not run "
+                f"fd-cudagraph-plugin (set FD_PLUGINS=fd_cudagraph_plugin for every worker). "
+            )
+        text = text.rstrip()
+    if world > 1:
+        named = sorted({*failures, *missing})
+        text += (
+            f" Every rank stops here, so none waits in a collective that rank{_s(named)} "
+            f"{_ranks(named)} will not join."
+        )
+    error_type: type[CaptureError] = RankTimeoutError if missing and not failures else CaptureError
+    if failures and all(f["stage"] == "self-check" for f in failures.values()):
+        error_type = SelfCheckError if not missing else CaptureError
+    stage = next(iter(failures.values()))["stage"] if failures else "agreement"
+    return error_type(
+        text,
+        stage=stage,
+        failed_ranks=tuple(failures),
+        missing_ranks=tuple(missing),
+    )
 
 
-#: Builds the exchange for a session from the runner's ``fd_config``; tests replace it.
-exchange_factory: Callable[[Any], PlanExchange | None] = default_exchange
+def _s(ranks: list[int]) -> str:
+    return "s" if len(ranks) > 1 else ""
 
 
-def plan_diff(fingerprints: list[dict]) -> list[str]:
-    """One line per rank whose plan differs from rank 0's, naming each differing key."""
-    lines = []
-    reference = fingerprints[0]
-    for rank, fingerprint in enumerate(fingerprints[1:], start=1):
-        keys = sorted(set(reference) | set(fingerprint))
-        diffs = [
-            f"{key}: rank 0 {reference.get(key)!r} vs rank {rank} {fingerprint.get(key)!r}"
-            for key in keys
-            if reference.get(key) != fingerprint.get(key)
-        ]
-        if diffs:
-            lines.append(f"rank {rank}: " + "; ".join(diffs))
-    return lines
+def _their(ranks: list[int]) -> str:
+    return "their" if len(ranks) > 1 else "its"
 
 
-_active: CaptureSession | None = None
-_ended = 0
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
 
 
-def active() -> CaptureSession | None:
-    return _active
+class Points:
+    """The agreement points of one session (or, with no session, of one backend alone)."""
+
+    def __init__(self, link: Link, options: PluginOptions, report: CaptureReport | None) -> None:
+        self.link = link
+        self.options = options
+        self.report = report
+        #: The agreed failure that stopped this session; every later point re-raises it.
+        self.failure: CaptureError | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.link.rank
+
+    def run(
+        self,
+        stage: str,
+        member: Member | None,
+        key: GraphKey | None,
+        fn: Callable[[], T],
+    ) -> T:
+        """Run ``fn`` on this rank, then agree: raise the same ``CaptureError`` on every rank if
+        it failed on any; else return ``fn``'s result."""
+        box: list[T] = []
+        return self._agree(stage, member, key, lambda: box.append(fn()), share=False, box=box)
+
+    def share(
+        self, stage: str, member: Member | None, key: GraphKey | None, fn: Callable[[], Any]
+    ) -> list[Any]:
+        """Like ``run``, and return every rank's result of ``fn`` (JSON-able), in rank order."""
+        return self._agree(stage, member, key, fn, share=True, box=None)
+
+    def fail(self, stage: str, error: BaseException) -> CaptureError:
+        """This rank failed outside a point: post the failure at the next point, return the
+        agreed error (the other ranks meet it there, whichever point they are at)."""
+        if self.failure is not None:
+            return self.failure
+
+        def raise_it() -> None:
+            raise error
+
+        try:
+            self._agree(stage, None, None, raise_it, share=False, box=None)
+        except CaptureError as agreed:
+            return agreed
+        raise AssertionError("a posted failure always ends in an error")  # pragma: no cover
+
+    def _agree(self, stage, member, key, fn, *, share, box):
+        if self.failure is not None:
+            raise self.failure
+        where = str(key) if key is not None else ""
+        mode = _mode(member, key)
+        status: dict[str, Any] | None
+        try:
+            result = fn()
+        except Exception as error:
+            status = {"failure": _failure(stage, where, mode, self.rank, error)}
+            local: BaseException | None = error
+        else:
+            status = {"payload": result} if share else None
+            local = None
+        label = f"{stage} {where}".strip()
+        if member is not None:
+            label += f" ({member.role})"
+        started = time.perf_counter()
+        outcome = self.link.agree(label, status, self.options.rank_timeout)
+        if self.report is not None:
+            self.report.agreement_seconds += time.perf_counter() - started
+            self.report.agreement_points += 1
+        error = agreed_error(outcome, self.link.world, self.options.rank_timeout, self.rank)
+        if error is not None:
+            self.failure = error
+            if local is not None:
+                raise error from local
+            raise error
+        if share:
+            return outcome.shared()
+        return box[0] if box else None
 
 
-def sessions_ended() -> int:
-    return _ended
+def _mode(member: Member | None, key: GraphKey | None) -> str:
+    if member is None:
+        return "between two agreement points, in FastDeploy's capture loop"
+    settings = member.settings
+    mode = key.mode if key is not None else settings.mode
+    return (
+        f"{mode} mode, graph_opt_level={settings.graph_opt_level}, "
+        f"full_cuda_graph={settings.full_cuda_graph}"
+    )
 
 
-def reset_for_tests() -> None:
-    global _active, _ended
-    _active, _ended = None, 0
+def solo_points(options: PluginOptions) -> Points:
+    """Points for a backend used outside any session (TP = 1 only): it agrees with itself."""
+    return Points(LocalLink(), options, None)
+
+
+def link_for(fd_config: Any, options: PluginOptions) -> Link:
+    """This process's link to its tensor-parallel group's agreement server (made once)."""
+    group = fastdeploy.tensor_parallel_group(fd_config)
+    if group is None:
+        return LocalLink()
+    ranks, rank = group
+    state = worker.current()
+    name = f"{state.link_prefix}/{'-'.join(str(r) for r in ranks)}"
+    link = state.links.get(name)
+    if link is None:
+        try:
+            link = SocketLink.connect(
+                fastdeploy.job_store(),
+                name,
+                rank,
+                len(ranks),
+                bind_host(),
+                options.rank_timeout,
+            )
+        except Exception as error:
+            raise RankTimeoutError(
+                f"tensor-parallel rank {rank} could not join its group's CUDA graph agreement "
+                f"(ranks {ranks}) within {options.rank_timeout:.0f} s: {type(error).__name__}: "
+                f"{error}. Every worker of the group must run fd-cudagraph-plugin (FD_PLUGINS) "
+                f"and start capture_model(); raise FD_CUDAGRAPH_RANK_TIMEOUT if rank 0 is slow.",
+                stage="agreement",
+            ) from error
+        state.links[name] = link
+    return link
+
+
+# ------------------------------------------------------------------------------ the session
 
 
 class CaptureSession:
@@ -202,113 +409,103 @@ class CaptureSession:
         phase: str,
         *,
         fd_config: Any = None,
+        runner: Any = None,
         options: PluginOptions | None = None,
-        exchange: PlanExchange | None = None,
+        link: Link | None = None,
     ) -> None:
         self.options = options or PluginOptions.from_env()
         self.phase = phase
-        parallel = getattr(fd_config, "parallel_config", None)
-        self.rank = int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
-        self.exchange = exchange if exchange is not None else exchange_factory(fd_config)
-        self.report = CaptureReport(phase, self.rank, self.options.warmup)
-        #: True during the first pass of ``warm_all_first``: warm up, capture nothing.
-        self.warm_only = False
-        self._warmed: dict[tuple[int, str, int], int] = {}
-        self._self_check_failures: list[tuple[Member, str, int, str]] = []
+        self.fd_config = fd_config
+        self.runner = runner
+        self.worker = worker.current()
+        self._link = link
+        self.points: Points | None = None
+        self.report: CaptureReport | None = None
+        self.members: list[Member] = []
         self._plan_checked = False
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
         self._unfreeze = False
 
+    @property
+    def rank(self) -> int:
+        return self.points.rank if self.points is not None else 0
+
     def __enter__(self) -> CaptureSession:
-        global _active
-        if _active is not None:
+        if self.worker.session is not None:
             raise RuntimeError("capture sessions do not nest")
         self._started = time.perf_counter()
         self._unfreeze = gc.get_freeze_count() == 0
         gc.freeze()
-        _active = self
         try:
-            if stats.live_backends():
-                self.check_plan()
+            link = self._link or link_for(self.fd_config, self.options)
+            link.next_epoch()
+            self.report = CaptureReport(self.phase, link.rank)
+            self.points = Points(link, self.options, self.report)
+            self.worker.session = self
+            for backend in self.worker.backends():
+                self.join(backend)
+            self.check_plan()
         except BaseException:
             self._close()
             raise
         self.report.setup_seconds = time.perf_counter() - self._started
         return self
 
+    def join(self, member: Member) -> None:
+        """``member`` takes part in this session (it existed at the start, or was built in it)."""
+        if member in self.members:
+            return
+        if self.runner is not None:
+            role = fastdeploy.role_of(getattr(member, "layer", None), self.runner)
+            if role is not None:
+                member.role = role
+        self.members.append(member)
+        member.join_session(self)
+
     def before_capture(self) -> None:
-        """Called by each capture. Where the first backend was built inside the capture loop
-        (no profile run), no backend existed at ``__enter__``: the plan is checked here, before
-        the first capture's all-reduce registration, with the backends that exist now."""
+        """Called by each capture. Where the backends were built inside the capture loop (no
+        profile run), none existed at ``__enter__``: the plan is agreed again, with them."""
         if not self._plan_checked:
             self.check_plan()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        points = self.points
         try:
             if exc_type is None:
-                self._agree_on_self_checks()
+                points.run("end", None, None, lambda: None)
+            elif isinstance(exc, Exception):
+                agreed = points.failure or points.fail("capture loop", exc)
+                if agreed is not exc:
+                    # FastDeploy's capture_model() rewraps errors that mention "out of memory";
+                    # every rank raises the agreed error itself, with the same text.
+                    agreed.__suppress_context__ = True
+                    raise agreed
         finally:
             self._close()
         if exc_type is None:
             self._finish()
 
-    def self_check_failed(self, member: Member, phase: str, size: int, message: str) -> None:
-        """A new graph disagreed with eager; acted on at the end of the session, on every rank."""
-        self._self_check_failures.append((member, phase, size, message))
-
-    def _agree_on_self_checks(self) -> None:
-        """Share every rank's self-check failures over the plan-check group, then act alike:
-        one rank raising while the others block in their next collective would hang them."""
-        if self.options.self_check == "off":
-            return
-        members = stats.live_backends()
-        mine = [
-            (members.index(member), phase, size, message)
-            for member, phase, size, message in self._self_check_failures
-            if member in members
-        ]
-        everyone = self.exchange.all_gather(mine) if self.exchange is not None else [mine]
-        failures = [(rank, *failure) for rank, found in enumerate(everyone) for failure in found]
-        if not failures:
-            return
-        summary = "; ".join(f"rank {rank}: {message}" for rank, _, _, _, message in failures)
-        if self.options.self_check == "error":
-            from fd_cudagraph_plugin.core.errors import SelfCheckError
-
-            raise SelfCheckError(
-                f"CUDA graph self-check failed ({len(failures)} graph(s), every rank stops): "
-                f"{summary} (FD_CUDAGRAPH_SELF_CHECK=error)"
-            )
-        for index, phase, size in sorted({(i, p, s) for _, i, p, s, _ in failures}):
-            members[index].disable_graph(phase, size)
-        logger.warning(
-            "CUDA graph self-check failed: %s. Every rank serves these sizes eagerly from now on.",
-            summary,
-        )
-
-    def note_warmups(self, backend: Member, phase: str, size: int, count: int) -> None:
-        """Warm-ups run for one size in the warm-only pass, to report with its capture."""
-        self._warmed[(id(backend), phase, size)] = count
-
     def _close(self) -> None:
-        global _active, _ended
         for bar in self._bars.values():
             bar.close()
         if self._unfreeze:
             gc.unfreeze()
-        _active = None
-        _ended += 1
-        self.report.seconds = time.perf_counter() - self._started
+        if self.worker.session is self:
+            self.worker.session = None
+            self.worker.sessions_ended += 1
+            for member in self.members:
+                member.join_session(None)
+        if self.report is not None:
+            self.report.seconds = time.perf_counter() - self._started
 
     def _finish(self) -> None:
         logger.info("%s", self.report.summary())
-        member: Member
-        for member in stats.live_backends():
+        for member in self.members:
             member.capture_report = self.report
         path = self.options.memory_report
         if path:
-            path = stats.output_path(path)
+            path = stats.output_path(path, self.members[-1].settings if self.members else None)
             try:
                 directory = os.path.dirname(path)
                 if directory:
@@ -321,39 +518,39 @@ class CaptureSession:
                 stats.output_failed("FD_CUDAGRAPH_MEMORY_REPORT", path, error)
 
     def check_plan(self) -> None:
-        """Every TP rank must plan the same captures; compare before the first one."""
-        self._plan_checked = True
-        if self.exchange is None:
-            return
+        """Every TP rank must plan the same captures; compared before the first one."""
         from fd_cudagraph_plugin import __version__
 
-        mine = {
+        self._plan_checked = bool(self.members)
+        mine: dict[str, Any] = {
             "plugin_version": __version__,
             "phase": self.phase,
-            "warmup_policy": self.options.warmup,
             "pool": self.options.pool,
             "self_check": self.options.self_check,
+            "custom_allreduce": fastdeploy.custom_allreduce() is not None,
+            "backends": len(self.members),
         }
-        member: Member
-        for index, member in enumerate(stats.live_backends()):
+        for index, member in enumerate(self.members):
             for key, value in member.plan_fingerprint().items():
                 mine[f"backend{index}.{key}"] = value
-        everyone = self.exchange.all_gather(mine)
+        everyone = self.points.share("plan", None, None, lambda: mine)
         diff = plan_diff(everyone)
         if diff:
-            raise RankMismatchError(
-                f"tensor-parallel ranks plan different CUDA-graph captures (this is rank "
-                f"{self.rank}); capturing would hang in the custom all-reduce registration. "
+            error = RankMismatchError(
+                "tensor-parallel ranks plan different CUDA-graph captures; capturing would hang "
+                "in the custom all-reduce registration. "
                 + " | ".join(diff)
                 + ". Start every rank with the same --graph-optimization-config, "
-                "--speculative-config, --max-num-seqs and FD_CUDAGRAPH_* variables."
+                "--speculative-config, --max-num-seqs and FD_CUDAGRAPH_* variables.",
+                stage="plan",
             )
+            self.points.failure = error
+            raise error
 
     def record(
         self, backend: Member, phase: str, size: int, seconds: float, graph_bytes: int, warmups: int
     ) -> None:
-        """One graph captured: report it, with the warm-ups of the warm-only pass."""
-        warmups += self._warmed.pop((id(backend), phase, size), 0)
+        """One graph captured: report it."""
         record = CaptureRecord(
             backend=f"{id(backend):#x}",
             role=backend.role,
@@ -387,3 +584,20 @@ class CaptureSession:
         graph_bytes = sum(r.graph_bytes for r in self.report.records if r.backend == record.backend)
         bar.set_postfix_str(f"size {record.size}, graph memory {human_bytes(graph_bytes)}")
         bar.update(1)
+
+
+def plan_diff(fingerprints: list[dict]) -> list[str]:
+    """One line per rank whose plan differs from rank 0's, naming each differing key."""
+    lines = []
+    reference = fingerprints[0]
+    for rank, fingerprint in enumerate(fingerprints[1:], start=1):
+        fingerprint = fingerprint or {}
+        keys = sorted(set(reference) | set(fingerprint))
+        diffs = [
+            f"{key}: rank 0 {reference.get(key)!r} vs rank {rank} {fingerprint.get(key)!r}"
+            for key in keys
+            if reference.get(key) != fingerprint.get(key)
+        ]
+        if diffs:
+            lines.append(f"rank {rank}: " + "; ".join(diffs))
+    return lines

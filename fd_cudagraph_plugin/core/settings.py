@@ -7,6 +7,7 @@ naming the field, the value and the fix, instead of a ``KeyError`` in the middle
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -90,6 +91,10 @@ class Settings:
     dp_rank: int
     dp_size: int
     custom_allreduce_disabled: bool
+    #: FastDeploy 2.4: it hands the backend no dygraph runnable, its ForwardMeta has no
+    #: ``exist_prefill``, and with ``graph_opt_level`` >= 1 it runs every graphed step as a
+    #: Paddle-managed static graph (``run_static_model``), whatever ``full_cuda_graph`` says.
+    fastdeploy_2_4: bool
     options: PluginOptions
     decode_table: tuple[int, ...] = field(repr=False)
     prefill_table: tuple[int, ...] = field(repr=False)
@@ -102,11 +107,43 @@ class Settings:
 
     @property
     def static_split(self) -> bool:
-        return self.dy2st and not self.full_cuda_graph
+        """Prefill as Paddle-managed graphs, decode captured from the dygraph model (2.5+)."""
+        return self.dy2st and not self.full_cuda_graph and not self.fastdeploy_2_4
 
     @property
     def static_full(self) -> bool:
-        return self.dy2st and self.full_cuda_graph
+        """Decode as one Paddle-managed graph where the model is one clean static graph (2.5+)."""
+        return self.dy2st and self.full_cuda_graph and not self.fastdeploy_2_4
+
+    @property
+    def static_2_4(self) -> bool:
+        """FastDeploy 2.4 with ``graph_opt_level`` >= 1: every graphed step is static."""
+        return self.dy2st and self.fastdeploy_2_4
+
+    @property
+    def mode(self) -> str:
+        if self.static_2_4:
+            return "static (FastDeploy 2.4)"
+        return (
+            "static_full"
+            if self.static_full
+            else "static_split"
+            if self.static_split
+            else "dynamic"
+        )
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        """Sizes of decode graphs: none in ``cudagraph_only_prefill`` mode."""
+        return () if self.only_prefill else self.capture_sizes
+
+    @property
+    def prefill_graph_sizes(self) -> tuple[int, ...]:
+        """Sizes of prefill graphs: the prefill list in static split mode; in
+        ``cudagraph_only_prefill`` mode the decode list, as FastDeploy's own backend keys them."""
+        if self.static_split:
+            return self.prefill_sizes
+        return self.capture_sizes if self.only_prefill else ()
 
     @property
     def keyed_by_running(self) -> bool:
@@ -124,7 +161,13 @@ class Settings:
         return self.capture_sizes[0]
 
     @classmethod
-    def from_fd_config(cls, fd_config: Any, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_fd_config(
+        cls,
+        fd_config: Any,
+        environ: Mapping[str, str] | None = None,
+        *,
+        fastdeploy_2_4: bool = False,
+    ) -> Settings:
         options = PluginOptions.from_env(environ)
         graph = getattr(fd_config, "graph_opt_config", None)
         if graph is None:
@@ -198,7 +241,7 @@ class Settings:
 
         decode_table = padding_table(sizes)
         bsz_table = _bsz_table(getattr(graph, "real_bsz_to_captured_size", None), decode_table)
-        return cls(
+        settings = cls(
             capture_sizes=sizes,
             prefill_sizes=prefill,
             num_warmups=warmups,
@@ -215,9 +258,10 @@ class Settings:
             dp_rank=dp_rank,
             dp_size=dp_size,
             custom_allreduce_disabled=bool(getattr(parallel, "disable_custom_all_reduce", False)),
+            fastdeploy_2_4=fastdeploy_2_4,
             options=options,
             decode_table=tuple(decode_table),
-            prefill_table=tuple(padding_table(prefill)),
+            prefill_table=(),  # set below, from the mode
             bsz_table=tuple(bsz_table),
             padding_disagreements=tuple(
                 table_disagreements(
@@ -225,6 +269,8 @@ class Settings:
                 )
             ),
         )
+        prefill_table = tuple(padding_table(settings.prefill_graph_sizes))
+        return dataclasses.replace(settings, prefill_table=prefill_table)
 
 
 def _bsz_table(mapping: object, decode_table: list[int]) -> list[int]:

@@ -50,25 +50,13 @@ class StaticGraphDriver:
         self.captured_keys.add(key)
         return outputs
 
-    @staticmethod
-    def probe(runnable: Callable, kwargs: dict) -> str | None:
-        """Run the SOT-translated program once, eagerly; None if it works, else why not.
-
-        In static full mode FastDeploy hands its own backend dy_runnable for decode, so it never
-        runs this program there. Its ``apply_to_static_optimization`` raises "Model has
-        breakgraph" or "Model has multiple generated code" inside ``capture_model()`` for models
-        SOT cannot translate whole, models that serve fine eagerly: those must not stop a worker
-        that FastDeploy's backend would start.
-        """
-        try:
-            runnable(**kwargs)
-        except Exception as error:
-            return f"{type(error).__name__}: {error}"
-        return None
-
     def replay(self, runnable: Callable, kwargs: dict, key: int) -> object:
         with self._guard(self._states.REPLAY, key):
             return runnable(**kwargs)
+
+    def discard(self, key: int) -> None:
+        """A capture some rank failed: never replay it."""
+        self.captured_keys.discard(key)
 
     def forget(self) -> None:
         self.captured_keys.clear()

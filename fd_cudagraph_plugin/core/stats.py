@@ -13,29 +13,16 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections import Counter
 from typing import Any, Protocol
 
-from fd_cudagraph_plugin.core import metrics
+from fd_cudagraph_plugin.core import metrics, worker
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 STATS_FORMAT = "fd-cudagraph-stats/1"
 
-_backends: list[weakref.ref] = []
-_lock = threading.Lock()
 _reporter: _Reporter | None = None
-
-
-def register_backend(backend: Any) -> None:
-    """Track ``backend`` and set its ``role``: the first live backend is the target, later ones
-    drafts (FastDeploy builds the target model's backend first, at its profile run)."""
-    with _lock:
-        _backends[:] = [ref for ref in _backends if ref() is not None]
-        backend.role = "draft" if _backends else "target"
-        _backends.append(weakref.ref(backend))
-    _start_reporter(backend.settings.options)
 
 
 #: Writes of the plugin's own files that failed, by setting: logged once each, never raised.
@@ -102,8 +89,7 @@ def output_path(template: str, ranks: Ranks | None = None) -> str:
 
 
 def live_backends() -> list[Any]:
-    with _lock:
-        return [b for b in (ref() for ref in _backends) if b is not None]
+    return worker.current().backends()
 
 
 def aggregate() -> dict[str, Any]:
@@ -283,7 +269,7 @@ def reporter_interval(options: Any) -> float:
     return STATS_FILE_FLUSH_SECONDS if options.stats_file else 0.0
 
 
-def _start_reporter(options: Any) -> None:
+def start_reporter(options: Any) -> None:
     """Start the periodic thread once per process, if the options ask for it."""
     global _reporter
     interval = reporter_interval(options)
@@ -297,13 +283,6 @@ def stop_reporter() -> None:
     if _reporter is not None:
         _reporter.stopped.set()
         _reporter = None
-
-
-def forget_backends_for_tests() -> None:
-    """Start the next test as a fresh worker: no live backend (roles and session members are
-    assigned by order of construction)."""
-    with _lock:
-        _backends.clear()
 
 
 @atexit.register

@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.fastdeploy import BACKEND_MODULE as _BACKEND_MODULE
+from fd_cudagraph_plugin.core.fastdeploy import BACKEND_NAME as _NAME
+from fd_cudagraph_plugin.core.fastdeploy import constructor_shape
+from fd_cudagraph_plugin.core.fastdeploy import version as fastdeploy_version
 from fd_cudagraph_plugin.core.options import (
     OPTION_PREFIX,
     OPTIONS,
@@ -22,14 +26,7 @@ from fd_cudagraph_plugin.core.options import (
     removed_option_error,
     unknown_options,
 )
-from fd_cudagraph_plugin.plugin import (
-    _BACKEND_MODULE,
-    _NAME,
-    ENTRY_POINT_GROUP,
-    ENTRY_POINT_NAME,
-    constructor_shape,
-    fastdeploy_version,
-)
+from fd_cudagraph_plugin.plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 DISTRIBUTION = "fd-cudagraph-plugin"

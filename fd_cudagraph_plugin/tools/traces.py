@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from fd_cudagraph_plugin.core.errors import TraceError
+from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
 from fd_cudagraph_plugin.core.stats import STATS_FORMAT
 from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS
 
@@ -32,6 +32,10 @@ GRAPHED_LIMIT = DECODE_CAP * (MAX_SPECULATIVE_TOKENS + 1)
 #: A stats line holds at most a few thousand counts; a longer line is not one of ours.
 _MAX_LINE = 1 << 20
 _BOM = b"\xef\xbb\xbf"
+
+
+class TraceError(CudaGraphPluginError, ValueError):
+    """A trace or stats file given to ``fd-cudagraph tune`` is unreadable; names file and line."""
 
 
 class Histogram(Counter):

@@ -35,14 +35,14 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from fd_cudagraph_plugin.core.errors import ConfigError, TraceError
+from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     MAX_SPECULATIVE_TOKENS,
     default_capture_sizes,
 )
-from fd_cudagraph_plugin.tools.traces import GRAPHED_LIMIT, bad_k
+from fd_cudagraph_plugin.tools.traces import GRAPHED_LIMIT, TraceError, bad_k
 
 
 def padded_tokens(sizes: Iterable[int], histogram: Mapping[int, int]) -> int:

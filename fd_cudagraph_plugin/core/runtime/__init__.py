@@ -25,6 +25,9 @@ class GraphRuntime(Protocol):
     name: str
     #: True when replay really runs a device graph (timings mean something).
     real_graphs: bool
+    #: True once an eager run has happened in this process: libraries that initialise lazily
+    #: (cuBLAS) make a capture of a model never run before fail.
+    warmed: bool
 
     def new_pool(self) -> object:
         """A new memory-pool handle that several graphs may share."""

@@ -1,17 +1,52 @@
-"""Paddle CUDA graphs. The only module that touches ``paddle.device.cuda.graphs``.
+"""Paddle CUDA graphs. The only module that touches Paddle's CUDA-graph API.
 
-Not exercised on the CPU-only machines this project is tested on: everything above this seam is
-tested against ``simulated.py``; see docs/modes.md for what was verified where.
+What it relies on, from Paddle 3.x (``paddle/device/cuda/graphs.py`` and
+``paddle/phi/backends/gpu/cuda/cuda_graph.cc``):
+
+* ``CUDAGraph(place, mode, pool_id)``: ``capture_begin()`` starts the process's one capture (a
+  second one fails: "CUDA Graph can only captured one by one"), ``capture_end()`` ends it and keeps
+  the graph; graphs given the same pool id share one reference-counted pool, freed when the last
+  of them is ``reset()``; ``replay()`` after ``reset()`` raises PermissionDenied.
+* ``mode="thread_local"`` (Paddle's default, said here on purpose): only this thread's unsafe
+  CUDA calls invalidate the capture, so the plugin's reporter and agreement threads cannot.
+* If ``cudaStreamEndCapture`` fails (an invalidated capture), ``capture_end()`` raises before
+  Paddle clears its capturing state, and no capture works in that process again.
+
+Tests run this module against a fake of that API built from the same source
+(``tests/fake_paddle_cuda.py``); a real GPU run is through the torch stand-in
+(``benchmarks/gpu``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-
-import paddle
+from types import SimpleNamespace
+from typing import Any
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+
+
+def paddle_cuda() -> Any:
+    """The Paddle calls this runtime makes, in one place (tests pass a fake instead)."""
+    import paddle
+
+    namespace = SimpleNamespace(
+        compiled_with_cuda=paddle.is_compiled_with_cuda,
+        synchronize=paddle.device.synchronize,
+        memory_reserved=lambda: paddle.device.cuda.memory_reserved(),
+        empty_cache=paddle.device.cuda.empty_cache,
+        CUDAGraph=None,
+        new_pool_id=None,
+        is_cuda_graph_supported=None,
+    )
+    if paddle.is_compiled_with_cuda():
+        from paddle.device.cuda import graphs
+
+        namespace.CUDAGraph = graphs.CUDAGraph
+        namespace.new_pool_id = paddle.base.core.CUDAGraph.gen_new_memory_pool_id
+        namespace.is_cuda_graph_supported = graphs.is_cuda_graph_supported
+    return namespace
 
 
 def cuda_graph_support() -> bool | None:
@@ -23,46 +58,45 @@ def cuda_graph_support() -> bool | None:
 
 
 class CudaGraph:
+    """One captured Paddle graph. ``replay`` is Paddle's own bound method: no wrapper frame on
+    the hot path. After ``release()`` the backend holds no reference to it (its entry drops
+    ``replay``); a replay of Paddle's object after ``reset()`` raises Paddle's PermissionDenied."""
+
     __slots__ = ("_graph", "replay")
 
-    def __init__(self, graph: object) -> None:
+    def __init__(self, graph: Any) -> None:
         self._graph = graph
-        #: Paddle's own public ``CUDAGraph.replay``, bound once: no wrapper frame on the hot path.
         self.replay = graph.replay
 
     def release(self) -> None:
         graph, self._graph = self._graph, None
-        self.replay = _released
         if graph is not None:
             graph.reset()
-
-
-def _released() -> None:
-    raise RuntimeError("replay of a released CUDA graph")
 
 
 class CudaRuntime:
     name = "cuda"
     real_graphs = True
 
-    def __init__(self) -> None:
-        if not paddle.is_compiled_with_cuda():
+    def __init__(self, api: Any = None) -> None:
+        api = api if api is not None else paddle_cuda()
+        if not api.compiled_with_cuda() or api.CUDAGraph is None:
             raise ConfigError(
                 "FD_CUDAGRAPH_RUNTIME=cuda but this Paddle is not compiled with CUDA. Install "
                 "paddlepaddle-gpu, turn CUDA graphs off with --graph-optimization-config "
                 "'{\"use_cudagraph\": false}', or set FD_CUDAGRAPH_RUNTIME=simulated for a CPU "
                 "test."
             )
-        from paddle.device.cuda import graphs
-
-        self._graphs = graphs
+        self._api = api
+        #: True once an eager run has happened in this process (a cold capture fails).
+        self.warmed = False
 
     def new_pool(self) -> object:
-        return paddle.base.core.CUDAGraph.gen_new_memory_pool_id()
+        return self._api.new_pool_id()
 
     def capture(self, fn: Callable[[], object], pool: object) -> tuple[CudaGraph, object]:
-        graph = self._graphs.CUDAGraph(pool_id=pool)
-        paddle.device.synchronize()
+        graph = self._api.CUDAGraph(pool_id=pool, mode="thread_local")
+        self._api.synchronize()
         graph.capture_begin()
         try:
             outputs = fn()
@@ -76,8 +110,10 @@ class CudaRuntime:
                 with contextlib.suppress(Exception):
                     graph.reset()
             raise
+        # On an invalidated capture this raises, Paddle's capture state stays open and no graph
+        # exists: nothing to release, and nothing to retry in this process.
         graph.capture_end()
-        paddle.device.synchronize()
+        self._api.synchronize()
         return CudaGraph(graph), outputs
 
     def release_pool(self, pool: object) -> None:
@@ -90,12 +126,12 @@ class CudaRuntime:
         return True
 
     def synchronize(self) -> None:
-        paddle.device.synchronize()
+        self._api.synchronize()
 
     def empty_cache(self) -> None:
-        paddle.device.cuda.empty_cache()
+        self._api.empty_cache()
 
     def pool_bytes(self, pool: object) -> int:
         # Paddle exposes no per-pool statistic. Graph pools are reserved memory, and only the
         # capture runs while the caller diffs this, so the growth is what the capture reserved.
-        return int(paddle.device.cuda.memory_reserved())
+        return int(self._api.memory_reserved())

@@ -43,9 +43,19 @@ def _nbytes(tensor: paddle.Tensor) -> int:
 
 
 class SimulatedGraph:
-    __slots__ = ("__weakref__", "_bytes", "_fn", "_outputs", "_pool", "_runtime", "replays")
+    __slots__ = (
+        "__weakref__",
+        "_bytes",
+        "_fn",
+        "_outputs",
+        "_pool",
+        "_runtime",
+        "replays",
+        "graph_id",
+    )
 
-    def __init__(self, runtime: SimulatedRuntime, fn, outputs, pool, nbytes: int) -> None:
+    def __init__(self, runtime: SimulatedRuntime, fn, outputs, pool, nbytes: int, graph_id) -> None:
+        self.graph_id = graph_id
         self._runtime = runtime
         self._fn = fn
         self._outputs = outputs
@@ -61,10 +71,12 @@ class SimulatedGraph:
         if self._fn is None:
             raise RuntimeError("replay of a released graph")
         self._runtime.replaying = True
+        self._runtime.in_flight = self.graph_id
         try:
             fresh = output_tensors(self._fn())
         finally:
             self._runtime.replaying = False
+            self._runtime.in_flight = None
         for target, value in zip(self._outputs, fresh, strict=True):
             paddle.assign(value, output=target)
         self.replays += 1
@@ -94,6 +106,10 @@ class SimulatedRuntime:
         self.empty_cache_calls = 0
         #: Set by a failed capture: no capture works in this process any more (see above).
         self.stuck = False
+        self.warmed = False
+        #: The id of the graph being captured or replayed, else None: lets a stand-in custom
+        #: all-reduce tell which graph a captured all-reduce belongs to.
+        self.in_flight: int | None = None
 
     def fail_next_capture(self, error: BaseException) -> None:
         """Make the next capture raise ``error`` after the captured work has run."""
@@ -123,6 +139,7 @@ class SimulatedRuntime:
                 "previous capture failed and its capture state never ended)"
             )
         self.capturing = True
+        graph_id = self.in_flight = next(self._pool_ids)
         try:
             outputs = fn()
             if self._failures:
@@ -132,6 +149,7 @@ class SimulatedRuntime:
             raise
         finally:
             self.capturing = False
+            self.in_flight = None
         if pool is None:
             pool = ("private-pool", next(self._pool_ids))
         tensors = output_tensors(outputs)
@@ -139,7 +157,7 @@ class SimulatedRuntime:
         self._pool_bytes[pool] = self._pool_bytes.get(pool, 0) + nbytes
         self.live_graphs += 1
         self.captures += 1
-        return SimulatedGraph(self, fn, tensors, pool, nbytes), outputs
+        return SimulatedGraph(self, fn, tensors, pool, nbytes, graph_id), outputs
 
     def _release(self, pool: object, nbytes: int) -> None:
         self.live_graphs -= 1

@@ -1,0 +1,153 @@
+"""What the tensor-parallel ranks' agreement costs in the healthy case: two CPU ranks, 36 sizes.
+
+It launches two ranks with ``paddle.distributed.launch`` (gloo), each running FastDeploy's
+``capture_model()`` (the stand-in runner) over 36 sizes, with a custom all-reduce stand-in whose
+registration is a real ``all_gather_object`` over the TP group, as FastDeploy's is. Rounds
+alternate two arms in the same processes:
+
+* ``agreement``: the plugin as it ships: every agreement point goes through TP rank 0's server;
+* ``no agreement``: the same sessions with a link that answers at once without asking the other
+  rank, which is what capturing without agreement points costs (the registrations still
+  synchronise the ranks once per graph, as FastDeploy's own backend does).
+
+    python benchmarks/agreement.py [--rounds 7] [--eager-ms 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [1, 2, 4, 6, *range(8, 129, 8), *range(144, 257, 16), *range(288, 513, 32)]
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    sys.path[:0] = [str(ROOT / "tests" / "fastdeploy_stub"), str(ROOT / "tests")]
+    os.environ["FD_CUDAGRAPH_RUNTIME"] = "simulated"
+    import paddle.distributed as dist
+    from conftest import DecoratedMixing, make_config
+    from fastdeploy.distributed import communication
+    from fastdeploy.distributed.custom_all_reduce import CustomAllreduce
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin import plugin
+    from fd_cudagraph_plugin.core import runtime, session, worker
+    from fd_cudagraph_plugin.core.agreement import Outcome
+    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
+
+    dist.init_parallel_env()
+    world, index = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(world)))
+    plugin.register()
+
+    class NoAgreement:
+        """Answers every point at once, as if every rank had posted the same."""
+
+        def __init__(self, rank: int, world: int) -> None:
+            self.rank, self.world = rank, world
+
+        def next_epoch(self) -> int:
+            return 0
+
+        def agree(self, label, status, timeout):
+            return Outcome(label, dict.fromkeys(range(self.world), status))
+
+    real_link_for = session.link_for
+    # A worker joins its group's agreement once per process; that one-off start (a few round
+    # trips through Paddle's job store) is timed apart, and every round reuses the link.
+    state = worker.reset_for_tests()
+    started = time.perf_counter()
+    real_link_for(make_config_for(world, index, group, make_config), _options())
+    join_seconds = time.perf_counter() - started
+    links = dict(state.links)
+    times: dict[str, list[float]] = {"agreement": [], "no agreement": []}
+    points = 0
+    for _ in range(args.rounds):
+        for arm in times:
+            worker.reset_for_tests().links.update(links)
+            runtime.install_runtime(SimulatedRuntime())
+            communication._TP_AR = CustomAllreduce(group, initialized=True)
+            session.link_for = (
+                real_link_for
+                if arm == "agreement"
+                else (lambda fd_config, options: NoAgreement(index, world))
+            )
+            config = make_config_for(world, index, group, make_config)
+            model = DecoratedMixing(fd_config=config)
+            runner = GPUModelRunner(config, model)
+            runner.profile_run()
+            dist.barrier(group=group)
+            started = time.perf_counter()
+            runner.capture_model()
+            times[arm].append(time.perf_counter() - started)
+            report = model.graph_opt_backend.cudagraph_piecewise_backend.capture_report
+            if arm == "agreement":
+                points = report.agreement_points
+            dist.barrier(group=group)
+    facts = {"times": times, "points": points, "join_seconds": join_seconds}
+    Path(args.out, f"rank{index}.json").write_text(json.dumps(facts))
+    return 0
+
+
+def make_config_for(world, index, group, make_config):
+    config = make_config(512, tp=world, cudagraph_capture_sizes=SIZES)
+    config.parallel_config.tensor_parallel_rank = index
+    config.parallel_config.tp_group = group
+    return config
+
+
+def _options():
+    from fd_cudagraph_plugin.core.options import PluginOptions
+
+    return PluginOptions.from_env()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank:
+        return rank_main(args)
+    with tempfile.TemporaryDirectory() as out:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        command = [
+            sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+            "--log_dir", str(Path(out) / "log"), __file__, "--rank", "--out", out,
+            "--rounds", str(args.rounds),
+        ]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            print(done.stdout[-3000:], done.stderr[-3000:])
+            return 1
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
+    print(
+        f"capture_model() over {len(SIZES)} sizes on 2 CPU ranks (gloo), simulated graphs, "
+        f"median of {args.rounds} interleaved rounds; {ranks[0]['points']} agreement points"
+    )
+    for rank, facts in enumerate(ranks):
+        agreed = statistics.median(facts["times"]["agreement"])
+        free = statistics.median(facts["times"]["no agreement"])
+        per_point = (agreed - free) / max(facts["points"], 1)
+        print(
+            f"  rank {rank}: with agreement {agreed * 1e3:7.1f} ms, without {free * 1e3:7.1f} ms, "
+            f"cost {(agreed - free) * 1e3:6.1f} ms ({per_point * 1e6:5.0f} us a point); joining "
+            f"the group's agreement once per process {facts['join_seconds'] * 1e3:.0f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
