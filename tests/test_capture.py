@@ -46,7 +46,8 @@ def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered
     assert len(summaries) == 1
     assert re.fullmatch(
         r"captured 3 graphs \(sizes 1\.\.4\) in \d+ ms, graph memory 224 B "
-        r"\(largest graph 128 B\), 2 warm-ups each",
+        r"\(largest graph 128 B\), 2 warm-ups each; 16\.0 GiB of 16\.0 GiB free after capture; "
+        r"gpu_memory_utilization up to 0\.99 would fit \(now 0\.90, keeping 819\.2 MiB free\)",
         summaries[0],
     )
     assert worker.current().session is None and worker.current().sessions_ended == 1
@@ -205,3 +206,27 @@ def test_the_plan_is_checked_at_the_first_capture_when_no_backend_existed_at_the
     assert link.labels == ["plan", "plan"]
     _, served = served_by(backend, buffers.step(4))
     assert served is None
+
+
+def test_roles_come_from_the_runner_not_from_the_order_backends_were_built(plugin_registered):
+    from conftest import DecoratedDraft, DecoratedMixing
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 1, "num_model_steps": 1}
+    config = make_config(4, speculative=mtp, draft_model_use_cudagraph=True)
+    old = DecoratedMixing(fd_config=config)  # a model the worker rebuilt, its backend still alive
+    GPUModelRunner(config, old).profile_run()
+    target, draft = DecoratedMixing(fd_config=config), DecoratedDraft(fd_config=config)
+    runner = GPUModelRunner(config, target, draft_model=draft)
+    runner.profile_run()
+    runner.capture_model()
+    backends = {
+        name: model.graph_opt_backend.cudagraph_piecewise_backend
+        for name, model in (("old", old), ("target", target), ("draft", draft))
+    }
+    assert {name: b.role for name, b in backends.items()} == {
+        "old": "other",
+        "target": "target",
+        "draft": "draft",
+    }
+    roles = {r.backend: r.role for r in backends["target"].capture_report.records}
+    assert sorted(roles.values()) == ["draft", "target"]

@@ -91,6 +91,12 @@ def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(tmp_pa
         assert value("fd_cudagraph_graph_memory_bytes", size=size) == nbytes
     for size, seconds in served["capture_seconds"].items():
         assert value("fd_cudagraph_capture_seconds", size=size) == pytest.approx(seconds)
+    memory = served["memory"]
+    assert memory["free_after_capture_bytes"] > 0
+    assert (
+        value("fd_cudagraph_device_free_after_capture_bytes") == memory["free_after_capture_bytes"]
+    )
+    assert value("fd_cudagraph_fit_gpu_memory_utilization") == memory["fit_gpu_memory_utilization"]
 
 
 def test_without_a_multiprocess_dir_metrics_are_in_the_default_registry(sim, metrics_on):

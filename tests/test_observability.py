@@ -80,7 +80,8 @@ def test_summary_table_is_logged_on_clear_graph(sim, caplog):
         backend.clear_graph()
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "CUDA graph summary (clear_graph)" in text
-    assert "  size   replays    padded  capture ms  graph MiB" in text
+    assert "  size   replays    padded  capture ms  graph memory" in text
+    assert "       128 B" in text  # the size-4 graph's outputs, in a unit that shows them
     assert f"backend {id(backend):#x} ({backend.role}): 3 captures, 4 replays, 1 padded" in text
     assert text.count("CUDA graph summary") == 1
     assert "     4         2         1" in text

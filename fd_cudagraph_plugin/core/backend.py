@@ -420,6 +420,23 @@ class CudaGraphBackend:
         if self._stats_file is not None:
             self._stats_file.flush(self)
 
+    def _memory_figures(self) -> dict[str, Any]:
+        """This rank's device memory after the last capture session, and the reserve taken."""
+        from fd_cudagraph_plugin.core import budget
+
+        reserve = self.worker.kv_reserve
+        figures: dict[str, Any] = {"kv_reserve_bytes": reserve.nbytes if reserve else None}
+        report = self.capture_report
+        mine = [m for m in (report.memory if report else []) if m.rank == report.rank]
+        if mine and mine[0].total:
+            m = mine[0]
+            figures["free_after_capture_bytes"] = m.free
+            if m.utilization is not None:
+                figures["fit_gpu_memory_utilization"] = budget.fit_utilization(
+                    m.utilization, m.free, m.total
+                )
+        return figures
+
     def stats(self) -> dict[str, Any]:
         """Counters since construction (they survive ``clear_graph``), as plain data: served
         traffic, and apart from it what ran while FastDeploy captured."""
@@ -439,6 +456,7 @@ class CudaGraphBackend:
             "graph_bytes_total": sum(e.graph_bytes for e in captured),
             "largest_graph_bytes": max((e.graph_bytes for e in captured), default=0),
             "pool_policy": self.capturer.pool_policy,
+            "memory": self._memory_figures(),
             "static_full_decode": (
                 None
                 if self.static_decode is None

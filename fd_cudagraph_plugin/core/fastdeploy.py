@@ -207,13 +207,23 @@ RUNNERS = (
 #: The loops, and the phase each captures: ``capture_model`` (decode) on every release,
 #: ``capture_model_prefill_and_mixed`` (static split prefill) from 2.5.
 CAPTURE_LOOPS = (("capture_model", "decode"), ("capture_model_prefill_and_mixed", "prefill"))
+#: The worker whose memory profile sizes the KV cache (2.4 through develop).
+WORKERS = (("fastdeploy.worker.gpu_worker", "GpuWorker"),)
 _RUNNER_PACKAGE = "fastdeploy.worker"
-_RUNNER_MODULES = frozenset(module.rpartition(".")[2] for module, _ in RUNNERS)
+_RUNNER_MODULES = frozenset(module.rpartition(".")[2] for module, _ in (*RUNNERS, *WORKERS))
+
+
+def loaded_workers() -> list[type]:
+    return _loaded(WORKERS)
 
 
 def loaded_runners() -> list[type]:
+    return _loaded(RUNNERS)
+
+
+def _loaded(classes: tuple[tuple[str, str], ...]) -> list[type]:
     found = []
-    for module_name, class_name in RUNNERS:
+    for module_name, class_name in classes:
         runner = getattr(sys.modules.get(module_name), class_name, None)
         if runner is not None:
             found.append(runner)
@@ -248,6 +258,38 @@ def on_runner_import(callback: Callable[[], object]) -> None:
     _RunnerPackage._fd_cudagraph_on_runner = staticmethod(callback)
     if type(package) is types.ModuleType:
         package.__class__ = _RunnerPackage
+
+
+@contextlib.contextmanager
+def before_profile_cache_is_cleared(runner: Any, callback: Callable[[], object]) -> Iterator[None]:
+    """Call ``callback`` inside the runner's profile run, after its dummy run and before it frees
+    the profile's KV cache (``profile_run`` ends with ``clear_cache``, 2.4 through develop): the
+    backends exist then, and a probe capture still has a KV cache to run on."""
+    clear = runner.clear_cache
+
+    def clear_cache(*args: Any, **kwargs: Any) -> Any:
+        try:
+            callback()
+        except BaseException:
+            clear(*args, **kwargs)
+            raise
+        return clear(*args, **kwargs)
+
+    runner.clear_cache = clear_cache
+    try:
+        yield
+    finally:
+        del runner.clear_cache  # the instance attribute; the class's method shows again
+
+
+def dummy_decode_step(runner: Any, size: int) -> None:
+    """One of ``capture_model()``'s plain decode dummy runs: ``size`` requests of one token, so
+    the backend captures ``size`` (2.5+ pass ``get_max_chunk_tokens()`` as the prompt tokens,
+    2.4 ``max_num_batched_tokens``)."""
+    config = runner.fd_config
+    chunk = getattr(config, "get_max_chunk_tokens", None)
+    num_tokens = chunk() if chunk is not None else config.scheduler_config.max_num_batched_tokens
+    runner._dummy_run(num_tokens=num_tokens, batch_size=size, in_capturing=True)
 
 
 def role_of(backend_layer: object, runner: object) -> str | None:

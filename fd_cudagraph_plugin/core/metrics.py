@@ -72,6 +72,18 @@ class _Metrics:
             "capture_seconds": gauge(
                 "fd_cudagraph_capture_seconds", "Capture time per captured size", "size"
             ),
+            "free_after_capture_bytes": gauge(
+                "fd_cudagraph_device_free_after_capture_bytes",
+                "Device memory free after the last capture session (the driver's count)",
+            ),
+            "fit_gpu_memory_utilization": gauge(
+                "fd_cudagraph_fit_gpu_memory_utilization",
+                "The highest gpu_memory_utilization that would have fit the last capture",
+            ),
+            "kv_reserve_bytes": gauge(
+                "fd_cudagraph_kv_reserve_bytes",
+                "Memory FD_CUDAGRAPH_KV_RESERVE took out of FastDeploy's KV-cache budget",
+            ),
         }
         self.registry = registry
         self.published: dict[tuple[str, tuple[str, ...]], float] = {}
@@ -148,6 +160,9 @@ def publish(backends: Iterable[Any], failures: Mapping[str, int]) -> None:
         for name in ("graph_bytes", "capture_seconds"):
             for size, value in own[name].items():
                 gauges[(name, (*base, str(size)))] += value
+        for name, value in own.get("memory", {}).items():
+            if value is not None and name in metrics.gauges:
+                gauges[(name, base)] = value  # one device per process: the same for each role
     if ranks is not None:
         for setting, failed in failures.items():
             counts[("failures", (*ranks, setting))] += failed

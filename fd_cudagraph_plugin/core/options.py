@@ -60,6 +60,35 @@ def _timeout(text: str) -> float:
     return value
 
 
+_UNITS = {
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+#: Largest reserve that can be asked for: 1 TiB, more than any GPU has.
+MAX_RESERVE_BYTES = 1 << 40
+
+
+def _reserve(text: str) -> object:
+    """``off``, ``auto``, or a size (``2GiB``, ``512MiB``, ``1.5GB``, bytes) -> int."""
+    lowered = text.strip().lower().replace(" ", "")
+    if lowered in ("off", "auto"):
+        return lowered
+    number = lowered.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = lowered[len(number) :] or "b"
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        value = -1
+    if not 0 < value <= MAX_RESERVE_BYTES:
+        raise ValueError("must be off, auto, or a size up to 1 TiB such as 2GiB, 512MiB or 1.5GB")
+    return int(value)
+
+
 #: Placeholders of output paths, expanded per process by ``stats.output_path``.
 PATH_PLACEHOLDERS = ("{rank}", "{dp_rank}")
 
@@ -143,6 +172,15 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds a tensor-parallel rank waits at a capture agreement point for the others before "
         "it stops with an error naming the ranks that never came.",
         _timeout,
+    ),
+    Option(
+        "FD_CUDAGRAPH_KV_RESERVE",
+        "off",
+        (),
+        "`off`, `auto` or a size (`2GiB`): take graph memory out of FastDeploy's KV-cache budget "
+        "before the cache is sized. `auto` reserves what this plan's graphs took on this rank "
+        "last time, or measures a probe capture when there is no record yet.",
+        _reserve,
     ),
     Option(
         "FD_CUDAGRAPH_CHECK_ADDRESSES",
@@ -294,6 +332,7 @@ class PluginOptions:
     pool: str
     pool_set: bool
     rank_timeout: float
+    kv_reserve: object
     check_addresses: int
     self_check: str
     memory_report: str
@@ -318,6 +357,7 @@ class PluginOptions:
             pool=get("POOL"),
             pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
             rank_timeout=get("RANK_TIMEOUT"),
+            kv_reserve=get("KV_RESERVE"),
             check_addresses=get("CHECK_ADDRESSES"),
             self_check=get("SELF_CHECK"),
             memory_report=get("MEMORY_REPORT"),

@@ -35,11 +35,12 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from fd_cudagraph_plugin.core import fastdeploy, stats, worker
+from fd_cudagraph_plugin.core import budget, fastdeploy, stats, worker
 from fd_cudagraph_plugin.core.agreement import Link, LocalLink, Outcome, SocketLink, bind_host
 from fd_cudagraph_plugin.core.errors import (
     CaptureError,
@@ -50,6 +51,7 @@ from fd_cudagraph_plugin.core.errors import (
 )
 from fd_cudagraph_plugin.core.key import GraphKey
 from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.stats import human_bytes
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -71,13 +73,6 @@ _RESTART = (
     " The failure happened inside the capture, after which Paddle cannot capture again in that "
     "process: restart the worker once the cause is fixed."
 )
-
-
-def human_bytes(count: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
 
 
 @dataclass(frozen=True)
@@ -104,6 +99,8 @@ class CaptureReport:
     agreement_seconds: float = 0.0
     agreement_points: int = 0
     records: list[CaptureRecord] = field(default_factory=list)
+    #: Every rank's memory after the session (shared at its end), when the device can say.
+    memory: list[Any] = field(default_factory=list)
 
     @property
     def graphs(self) -> int:
@@ -126,12 +123,15 @@ class CaptureReport:
         warm = f"{warmups[0]}" if len(warmups) == 1 else f"{warmups[0]}-{warmups[-1]}"
         backends = len({r.backend for r in self.records})
         size_text = f"size {sizes[0]}" if len(sizes) == 1 else f"sizes {sizes[0]}..{sizes[-1]}"
-        return (
+        text = (
             f"captured {self.graphs} graph{'s' if self.graphs != 1 else ''} ({size_text}"
             f"{f', {backends} backends' if backends > 1 else ''}) in {seconds}, "
             f"graph memory {human_bytes(self.graph_bytes)} "
             f"(largest graph {human_bytes(self.largest_graph_bytes)}), {warm} warm-ups each"
         )
+        if self.memory:
+            text += "; " + budget.memory_line(self.memory, self.rank)
+        return text
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,6 +146,15 @@ class CaptureReport:
             "graph_bytes": self.graph_bytes,
             "largest_graph_bytes": self.largest_graph_bytes,
             "captures": [asdict(r) for r in self.records],
+            "memory": [
+                {
+                    **asdict(m),
+                    "fit_gpu_memory_utilization": None
+                    if m.utilization is None or not m.total
+                    else budget.fit_utilization(m.utilization, m.free, m.total),
+                }
+                for m in self.memory
+            ],
         }
 
 
@@ -159,6 +168,7 @@ class Member(Protocol):
     role: str
     capture_report: CaptureReport | None
     settings: Any
+    runtime: Any
 
     def plan_fingerprint(self) -> dict[str, Any]:
         """What must be equal on every tensor-parallel rank for captures to line up."""
@@ -188,6 +198,9 @@ def _failure(stage: str, where: str, mode: str, rank: int, error: BaseException)
 
 
 def _advice(failures: list[dict]) -> str:
+    memory = [f["memory"] for f in failures if f["out_of_memory"] and f.get("memory")]
+    if memory:
+        return " " + budget.oom_advice(**memory[0])
     if any(f["out_of_memory"] for f in failures):
         return " " + _OOM_ADVICE
     unexplained = [f for f in failures if not f["explained"]]
@@ -327,8 +340,12 @@ class Points:
         try:
             result = fn()
         except Exception as error:
-            status = {"failure": _failure(stage, where, mode, self.rank, error)}
+            failure = _failure(stage, where, mode, self.rank, error)
+            if failure["out_of_memory"] and member is not None:
+                failure["memory"] = self._memory_at_failure(member, key)
+            status = {"failure": failure}
             local: BaseException | None = error
+            _forget_locals(error)
         else:
             status = {"payload": result} if share else None
             local = None
@@ -349,6 +366,31 @@ class Points:
         if share:
             return outcome.shared()
         return box[0] if box else None
+
+    def _memory_at_failure(self, member: Member, key: GraphKey | None) -> dict[str, Any]:
+        """What the failing rank knew of memory when a capture ran out of it."""
+        device = member.runtime.device_memory()
+        records = self.report.records if self.report is not None else []
+        phase = key.phase if key is not None else "decode"
+        return {
+            "captured_bytes": sum(r.graph_bytes for r in records),
+            "graphs_done": len(records),
+            "graphs_planned": max(member.graphs_expected(phase), len(records) + 1),
+            "free": device[0] if device else None,
+            "total": device[1] if device else None,
+            "utilization": member.settings.gpu_memory_utilization,
+        }
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames the error's traceback holds: a failed capture's
+    frames hold tensors in graph-pool memory, which would stay allocated for as long as anyone
+    keeps the error (FastDeploy's worker logs and re-raises it). Line numbers stay."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _mode(member: Member | None, key: GraphKey | None) -> str:
@@ -423,6 +465,8 @@ class CaptureSession:
         self.report: CaptureReport | None = None
         self.members: list[Member] = []
         self._plan_checked = False
+        #: The driver's (free, total) and Paddle's reserved bytes at the first capture.
+        self._device_before: tuple[Any, int] | None = None
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
         self._unfreeze = False
@@ -457,24 +501,51 @@ class CaptureSession:
         if member in self.members:
             return
         if self.runner is not None:
+            # From FastDeploy's structure, not from the order backends were built: a worker that
+            # rebuilt its model may still hold the old model's backend.
             role = fastdeploy.role_of(getattr(member, "layer", None), self.runner)
-            if role is not None:
-                member.role = role
+            member.role = role or "other"
         self.members.append(member)
         member.join_session(self)
 
-    def before_capture(self) -> None:
+    def before_capture(self, member: Member) -> None:
         """Called by each capture. Where the backends were built inside the capture loop (no
         profile run), none existed at ``__enter__``: the plan is agreed again, with them."""
         if not self._plan_checked:
             self.check_plan()
+        if self._device_before is None:
+            self._device_before = (member.runtime.device_memory(), member.runtime.pool_bytes(None))
+
+    def _my_memory(self) -> dict[str, Any] | None:
+        """This rank's figures for the session end: None where no graph was captured."""
+        if not self.members or self._device_before is None:
+            return None
+        member = self.members[0]
+        device = member.runtime.device_memory()
+        (before, reserved_before), reserved = self._device_before, member.runtime.pool_bytes(None)
+        extra = 0
+        if device is not None and before is not None:
+            extra = max((before[0] - device[0]) - (reserved - reserved_before), 0)
+        return asdict(
+            budget.RankMemory(
+                rank=self.rank,
+                graph_bytes=self.report.graph_bytes,
+                driver_extra_bytes=extra,
+                free=device[0] if device else 0,
+                total=device[1] if device else 0,
+                utilization=member.settings.gpu_memory_utilization,
+            )
+        )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         points = self.points
         try:
             if exc_type is None:
-                points.run("end", None, None, lambda: None)
+                shared = points.share("end", None, None, self._my_memory)
+                if all(shared):
+                    self.report.memory = [budget.RankMemory.of(m) for m in shared]
             elif isinstance(exc, Exception):
+                _forget_locals(exc)
                 agreed = points.failure or points.fail("capture loop", exc)
                 if agreed is not exc:
                     # FastDeploy's capture_model() rewraps errors that mention "out of memory";
@@ -503,6 +574,8 @@ class CaptureSession:
         logger.info("%s", self.report.summary())
         for member in self.members:
             member.capture_report = self.report
+        if self.report.memory and self.report.records and self.phase != "probe":
+            self._remember_graph_memory()
         path = self.options.memory_report
         if path:
             path = stats.output_path(path, self.members[-1].settings if self.members else None)
@@ -516,6 +589,47 @@ class CaptureSession:
                 # The graphs are captured; a report that cannot be written must not stop the
                 # worker from serving them.
                 stats.output_failed("FD_CUDAGRAPH_MEMORY_REPORT", path, error)
+
+    def _remember_graph_memory(self) -> None:
+        """Record what this plan's graphs took on this rank (FD_CUDAGRAPH_KV_RESERVE=auto reads
+        it at the next start), and warn where a reserve taken this start was short."""
+        mine = next(m for m in self.report.memory if m.rank == self.rank)
+        taken = mine.graph_bytes + mine.driver_extra_bytes
+        state, settings = self.worker, self.members[0].settings
+        key = budget.plan_key(self.record_fingerprint())
+        record = budget.Record.for_rank(_log_dir(), settings.dp_rank, settings.tp_rank)
+        try:
+            record.store(key, taken, {"phase": self.phase, "graphs": self.report.graphs})
+        except OSError as error:
+            stats.output_failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, error)
+        reserve = state.kv_reserve
+        if reserve is None:
+            if self.options.kv_reserve != "off" and not state.reserve_warned:
+                state.reserve_warned = True
+                logger.info(
+                    "FD_CUDAGRAPH_KV_RESERVE is set, but FastDeploy sized the KV cache without "
+                    "its memory profile (num_gpu_blocks_override), so nothing was reserved; this "
+                    "rank's graphs took %s.",
+                    stats.human_bytes(taken),
+                )
+            return
+        state.graph_bytes_since_reserve += taken
+        if state.graph_bytes_since_reserve > reserve.nbytes and not state.reserve_warned:
+            state.reserve_warned = True
+            logger.warning(
+                "FD_CUDAGRAPH_KV_RESERVE reserved %s (%s) for this rank's graphs, but they took "
+                "%s: the KV cache left %s too little. The record now holds the measured figure "
+                "for the next start.",
+                stats.human_bytes(reserve.nbytes),
+                reserve.source,
+                stats.human_bytes(state.graph_bytes_since_reserve),
+                stats.human_bytes(state.graph_bytes_since_reserve - reserve.nbytes),
+            )
+
+    def record_fingerprint(self) -> dict[str, Any]:
+        """What makes this session's graph memory the same at the next start: the plan (as the
+        ranks compare it), the model, this rank, the phase."""
+        return record_fingerprint(self.members, self.phase)
 
     def check_plan(self) -> None:
         """Every TP rank must plan the same captures; compared before the first one."""
@@ -584,6 +698,25 @@ class CaptureSession:
         graph_bytes = sum(r.graph_bytes for r in self.report.records if r.backend == record.backend)
         bar.set_postfix_str(f"size {record.size}, graph memory {human_bytes(graph_bytes)}")
         bar.update(1)
+
+
+def record_fingerprint(members: list[Member], phase: str) -> dict[str, Any]:
+    settings = members[0].settings
+    fingerprint: dict[str, Any] = {
+        "phase": phase,
+        "model": settings.model_name,
+        "tp_size": settings.tp_size,
+        "tp_rank": settings.tp_rank,
+        "pool": settings.options.pool,
+    }
+    for index, member in enumerate(members):
+        for key, value in member.plan_fingerprint().items():
+            fingerprint[f"backend{index}.{key}"] = value
+    return fingerprint
+
+
+def _log_dir() -> str:
+    return os.environ.get("FD_LOG_DIR", "log")
 
 
 def plan_diff(fingerprints: list[dict]) -> list[str]:

@@ -91,6 +91,10 @@ class Settings:
     dp_rank: int
     dp_size: int
     custom_allreduce_disabled: bool
+    #: ``cache_config.gpu_memory_utilization``: FastDeploy's KV-cache budget, a share of the GPU.
+    gpu_memory_utilization: float | None
+    #: ``model_config.model``: what the graphs are of (a key of the graph-memory record).
+    model_name: str
     #: FastDeploy 2.4: it hands the backend no dygraph runnable, its ForwardMeta has no
     #: ``exist_prefill``, and with ``graph_opt_level`` >= 1 it runs every graphed step as a
     #: Paddle-managed static graph (``run_static_model``), whatever ``full_cuda_graph`` says.
@@ -258,6 +262,8 @@ class Settings:
             dp_rank=dp_rank,
             dp_size=dp_size,
             custom_allreduce_disabled=bool(getattr(parallel, "disable_custom_all_reduce", False)),
+            gpu_memory_utilization=_utilization(getattr(fd_config, "cache_config", None)),
+            model_name=str(getattr(getattr(fd_config, "model_config", None), "model", "") or ""),
             fastdeploy_2_4=fastdeploy_2_4,
             options=options,
             decode_table=tuple(decode_table),
@@ -271,6 +277,13 @@ class Settings:
         )
         prefill_table = tuple(padding_table(settings.prefill_graph_sizes))
         return dataclasses.replace(settings, prefill_table=prefill_table)
+
+
+def _utilization(cache_config: object) -> float | None:
+    value = getattr(cache_config, "gpu_memory_utilization", None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        return None  # FastDeploy checks it; the memory figures then leave the advice out
+    return float(value)
 
 
 def _bsz_table(mapping: object, decode_table: list[int]) -> list[int]:

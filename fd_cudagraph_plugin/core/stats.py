@@ -116,12 +116,19 @@ def aggregate() -> dict[str, Any]:
     }
 
 
+def human_bytes(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
 def format_table(own: dict[str, Any], title: str) -> str:
     """A per-size table of one backend's ``stats()``: replays, padding, capture time, memory."""
     lines = [
         f"{title}: {own['captures']} captures, {sum(own['replays'].values())} replays, "
         f"{own['padded_tokens']} padded tokens, eager fallbacks {own['eager_fallbacks'] or 0}",
-        f"{'size':>6} {'replays':>9} {'padded':>9} {'capture ms':>11} {'graph MiB':>10}",
+        f"{'size':>6} {'replays':>9} {'padded':>9} {'capture ms':>11} {'graph memory':>13}",
     ]
     sizes = sorted(set(own["replays"]) | set(own["capture_seconds"]))
     for size in sizes:
@@ -129,7 +136,7 @@ def format_table(own: dict[str, Any], title: str) -> str:
             f"{size:>6} {own['replays'].get(size, 0):>9} "
             f"{own['padded_tokens_per_size'].get(size, 0):>9} "
             f"{own['capture_seconds'].get(size, 0.0) * 1e3:>11.1f} "
-            f"{own['graph_bytes'].get(size, 0) / (1 << 20):>10.3f}"
+            f"{human_bytes(own['graph_bytes'].get(size, 0)):>13}"
         )
     return "\n".join(lines)
 

@@ -29,6 +29,11 @@ class Worker:
         #: Names of agreement channels in Paddle's job store start with this (tests, which run
         #: several "workers" one after another in one job, give each its own).
         self.link_prefix = "fd-cudagraph/v1"
+        #: The reserve FD_CUDAGRAPH_KV_RESERVE took out of FastDeploy's KV budget (a
+        #: ``budget.Reserve``), and what the graphs took since, to warn when it was short.
+        self.kv_reserve: Any = None
+        self.graph_bytes_since_reserve = 0
+        self.reserve_warned = False
 
     def add(self, backend: Any) -> None:
         with self._lock:

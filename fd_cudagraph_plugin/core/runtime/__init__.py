@@ -50,6 +50,9 @@ class GraphRuntime(Protocol):
     def pool_bytes(self, pool: object) -> int:
         """Bytes the pool holds now, for per-size accounting (diffed around each capture)."""
 
+    def device_memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the device from the driver, or None where it cannot say."""
+
     def dump_dot(self, graph: Graph, path: str) -> bool:
         """Write the graph's dot file under ``path``; False when the runtime cannot."""
 

@@ -20,6 +20,7 @@ Tests run this module against a fake of that API built from the same source
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +37,7 @@ def paddle_cuda() -> Any:
         synchronize=paddle.device.synchronize,
         memory_reserved=lambda: paddle.device.cuda.memory_reserved(),
         empty_cache=paddle.device.cuda.empty_cache,
+        device_memory=_driver_memory,
         CUDAGraph=None,
         new_pool_id=None,
         is_cuda_graph_supported=None,
@@ -47,6 +49,31 @@ def paddle_cuda() -> Any:
         namespace.new_pool_id = paddle.base.core.CUDAGraph.gen_new_memory_pool_id
         namespace.is_cuda_graph_supported = graphs.is_cuda_graph_supported
     return namespace
+
+
+def _driver_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of this worker's GPU from the driver, as FastDeploy's memory profile
+    reads them (pynvml, which FastDeploy depends on); None where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(_nvml_index()))
+    except Exception:  # no pynvml, no driver, no such device: the figures are left out
+        return None
+    return int(info.free), int(info.total)
+
+
+def _nvml_index() -> int:
+    """NVML counts physical GPUs; Paddle's device id counts those CUDA_VISIBLE_DEVICES shows.
+    Paddle's launcher gives every worker its device in FLAGS_selected_gpus."""
+    logical = int((os.environ.get("FLAGS_selected_gpus") or "0").split(",")[0])  # noqa: SIM112
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
+    if logical < len(visible) and visible[logical].isdigit():
+        return int(visible[logical])
+    return logical
 
 
 def cuda_graph_support() -> bool | None:
@@ -130,6 +157,9 @@ class CudaRuntime:
 
     def empty_cache(self) -> None:
         self._api.empty_cache()
+
+    def device_memory(self) -> tuple[int, int] | None:
+        return self._api.device_memory()
 
     def pool_bytes(self, pool: object) -> int:
         # Paddle exposes no per-pool statistic. Graph pools are reserved memory, and only the

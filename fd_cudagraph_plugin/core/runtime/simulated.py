@@ -107,6 +107,13 @@ class SimulatedRuntime:
         #: Set by a failed capture: no capture works in this process any more (see above).
         self.stuck = False
         self.warmed = False
+        #: A device for the memory figures: its size, and what is in use outside graph pools
+        #: (weights, the KV cache: ``allocate``/``free``). ``device_memory()`` is the driver's view.
+        self.device_total = 16 << 30
+        self.other_used = 0
+        #: Bytes each graph takes beyond its outputs (a real graph's scratch memory): 0 unless a
+        #: test wants graphs that cost more than their outputs.
+        self.graph_overhead = 0
         #: The id of the graph being captured or replayed, else None: lets a stand-in custom
         #: all-reduce tell which graph a captured all-reduce belongs to.
         self.in_flight: int | None = None
@@ -144,6 +151,14 @@ class SimulatedRuntime:
             outputs = fn()
             if self._failures:
                 raise self._failures.pop(0)
+            tensors = output_tensors(outputs)
+            nbytes = sum(_nbytes(t) for t in tensors) + self.graph_overhead
+            free, _ = self.device_memory()
+            if nbytes > free:
+                raise MemoryError(
+                    f"CUDA error(2): out of memory (simulated: the graph needs {nbytes} bytes, "
+                    f"{free} free)"
+                )
         except BaseException:
             self.stuck = True
             raise
@@ -152,8 +167,6 @@ class SimulatedRuntime:
             self.in_flight = None
         if pool is None:
             pool = ("private-pool", next(self._pool_ids))
-        tensors = output_tensors(outputs)
-        nbytes = sum(_nbytes(t) for t in tensors)
         self._pool_bytes[pool] = self._pool_bytes.get(pool, 0) + nbytes
         self.live_graphs += 1
         self.captures += 1
@@ -170,6 +183,22 @@ class SimulatedRuntime:
 
     def empty_cache(self) -> None:
         self.empty_cache_calls += 1
+
+    def allocate(self, nbytes: int) -> None:
+        """Device memory outside graph pools (weights, KV cache); MemoryError past the device."""
+        free, _ = self.device_memory()
+        if nbytes > free:
+            raise MemoryError(
+                f"CUDA error(2): out of memory (simulated: {nbytes} bytes asked, {free} free)"
+            )
+        self.other_used += nbytes
+
+    def free(self, nbytes: int) -> None:
+        self.other_used -= nbytes
+
+    def device_memory(self) -> tuple[int, int]:
+        used = self.other_used + sum(self._pool_bytes.values())
+        return self.device_total - used, self.device_total
 
     def pool_bytes(self, pool: object) -> int:
         """Bytes held by ``pool``; with None, by every pool (what a device-wide counter shows)."""

@@ -218,6 +218,9 @@ class CacheConfig:
         self.block_size: int = 64
         self.gpu_memory_utilization: float = 0.9
         self.num_cpu_blocks: int | None = None
+        self.num_gpu_blocks_override: int | None = None
+        #: Blocks the profile run's temporary KV cache holds (upstream: from max tokens and seqs).
+        self.total_block_num: int = 4
         _apply_known(self, args)
 
 

@@ -23,6 +23,15 @@ from fastdeploy.utils import get_logger
 logger = get_logger("gpu_model_runner", "worker_process.log")
 
 
+def _simulated_device() -> Any:
+    """The plugin's simulated runtime, whose device memory stands for the GPU's, if installed."""
+    try:
+        from fd_cudagraph_plugin.core import runtime
+    except ImportError:
+        return None
+    return runtime._RUNTIMES.get("simulated")
+
+
 class GPUModelRunner:
     def __init__(self, fd_config: Any, model: Any, draft_model: Any = None) -> None:
         self.fd_config = fd_config
@@ -146,9 +155,44 @@ class GPUModelRunner:
 
     @profile_run_guard(True)
     def profile_run(self) -> None:
+        """As upstream: a temporary KV cache of ``total_block_num`` blocks, one dummy run, and
+        the cache cleared again (2.5+ ``clear_cache(profile=True)``, 2.4 ``clear_cache()``)."""
+        self.num_gpu_blocks = self.fd_config.cache_config.total_block_num
+        self.initialize_kv_cache(profile=True)
         self._dummy_run(
             num_tokens=self.fd_config.get_max_chunk_tokens(), batch_size=self.max_num_seqs
         )
+        if _stub_version.at_least("2.5"):
+            self.clear_cache(profile=True)
+        else:
+            self.clear_cache()
+
+    # -- KV cache: device memory on the simulated runtime's device, when one is installed ------
+    #: Bytes of one KV block (upstream: cal_theortical_kvcache, from the model's shapes).
+    block_bytes = 1 << 20
+    num_gpu_blocks = 0
+    _kv_bytes = 0
+
+    def initialize_kv_cache(self, profile: bool = False) -> None:
+        self._free_kv()
+        nbytes = self.num_gpu_blocks * self.block_bytes
+        device = _simulated_device()
+        if device is not None:
+            device.allocate(nbytes)
+        self._kv_bytes = nbytes
+
+    def clear_cache(self, profile: bool = False) -> None:
+        self._free_kv()
+
+    def update_share_input_block_num(self, num_gpu_blocks: int) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.initialize_kv_cache()
+
+    def _free_kv(self) -> None:
+        device = _simulated_device()
+        if device is not None and self._kv_bytes:
+            device.free(self._kv_bytes)
+        self._kv_bytes = 0
 
     @contextmanager
     def _capturing(self, capture_sizes: list[int]) -> Iterator[None]:

@@ -1,0 +1,193 @@
+"""Graph memory inside FastDeploy's KV-cache budget: the figures, the advice, the reserve.
+
+FastDeploy sizes the KV cache before it captures: ``GpuWorker.determine_available_memory()``
+answers ``total * gpu_memory_utilization - used after the profile run - the profile's peak
+increase`` (2.4 through develop), the cache takes that, and ``capture_model()`` then captures out
+of whatever is left. Nothing counts graph memory, so a high ``gpu_memory_utilization`` runs out of
+memory in capture and a low one leaves memory idle. This module turns what the plugin measures
+into: the free memory after each session and the highest ``gpu_memory_utilization`` that would
+have fit (``fit_utilization``), advice after an out-of-memory in capture, and the reserve of
+``FD_CUDAGRAPH_KV_RESERVE`` with its record of what each plan's graphs took (``Record``).
+
+Pure arithmetic and a small file; the hooks that apply a reserve are in ``hooks.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fd_cudagraph_plugin.core.stats import human_bytes
+
+RECORD_FORMAT = "fd-cudagraph-graph-memory/1"
+
+
+def margin(total: int) -> int:
+    """What stays free after capture for allocator slack and the odd late allocation: 1 GiB, or
+    5% of a smaller device."""
+    return min(1 << 30, total // 20)
+
+
+def fit_utilization(utilization: float, free: int, total: int) -> float:
+    """The highest ``gpu_memory_utilization`` that leaves ``margin`` free after this capture: the
+    KV cache grows by what ``free`` holds beyond the margin. Two decimals, rounded down."""
+    raw = utilization + (free - margin(total)) / total
+    return max(0.0, min(0.99, math.floor(raw * 100 + 1e-9) / 100))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory after a capture session, as every rank shares it at the session end."""
+
+    rank: int
+    #: What this session's graphs took (the plugin's own count, per capture).
+    graph_bytes: int
+    #: Device memory the driver counts as taken during the session beyond Paddle's allocator (the
+    #: graphs' own driver allocations), and the driver's free and total memory after it.
+    driver_extra_bytes: int
+    free: int
+    total: int
+    utilization: float | None
+
+    @classmethod
+    def of(cls, payload: dict[str, Any]) -> RankMemory:
+        return cls(**payload)
+
+
+def memory_line(ranks: list[RankMemory], rank: int) -> str:
+    """The session's memory figures, for the summary line: the tightest rank's count."""
+    mine = next(r for r in ranks if r.rank == rank)
+    measured = [r for r in ranks if r.total > 0]
+    if not measured:
+        return f"graph memory {human_bytes(mine.graph_bytes)} (device memory unknown)"
+    tight = min(measured, key=lambda r: r.free)
+    where = f" (tightest: rank {tight.rank})" if len(ranks) > 1 else ""
+    text = f"{human_bytes(tight.free)} of {human_bytes(tight.total)} free after capture{where}"
+    if tight.utilization is None:
+        return text
+    fit = fit_utilization(tight.utilization, tight.free, tight.total)
+    if tight.free < margin(tight.total):
+        return (
+            f"{text}, less than the {human_bytes(margin(tight.total))} margin: lower "
+            f"gpu_memory_utilization to {fit:.2f} (now {tight.utilization:.2f})"
+        )
+    return (
+        f"{text}; gpu_memory_utilization up to {fit:.2f} would fit (now "
+        f"{tight.utilization:.2f}, keeping {human_bytes(margin(tight.total))} free)"
+    )
+
+
+def oom_advice(
+    captured_bytes: int,
+    graphs_done: int,
+    graphs_planned: int,
+    free: int | None,
+    total: int | None,
+    utilization: float | None,
+) -> str:
+    """What to change after an out-of-memory in capture, from what the failing rank knew."""
+    if graphs_done:
+        parts = [
+            f"Out of memory after {graphs_done} of {graphs_planned} graphs, which took "
+            f"{human_bytes(captured_bytes)}"
+        ]
+    else:
+        parts = [f"Out of memory before the first of {graphs_planned} graphs"]
+    if free is not None and total:
+        parts.append(f"with {human_bytes(free)} of {human_bytes(total)} free")
+    text = ", ".join(parts) + "."
+    if free is not None and total and utilization is not None:
+        # Graphs are captured largest first, so the rest cost at most what these did on average.
+        per_graph = captured_bytes / graphs_done if graphs_done else 0
+        needed = (graphs_planned - graphs_done) * per_graph
+        short = max(needed - free, 0) + margin(total)
+        lower = math.floor((utilization - short / total) * 100) / 100
+        if lower <= 0:
+            text += " Lower --gpu-memory-utilization,"
+        elif graphs_done:
+            text += f" Lower --gpu-memory-utilization to {lower:.2f} (now {utilization:.2f}),"
+        else:  # nothing measured yet: the largest graph alone needs more than what was free
+            text += f" Lower --gpu-memory-utilization below {lower:.2f} (now {utilization:.2f}),"
+    else:
+        text += " Lower --gpu-memory-utilization,"
+    return (
+        text + " set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room for the graphs, or "
+        "trim --max-num-seqs or cudagraph_capture_sizes in --graph-optimization-config."
+    )
+
+
+# ------------------------------------------------------------------------------ the record
+
+
+def plan_key(fingerprint: dict[str, Any]) -> str:
+    """A record key: what makes graph memory the same from one start to the next (the model,
+    sizes, modes, tensor-parallel size and rank, pool), hashed."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class Record:
+    """What each plan's graphs took on this rank, kept under FastDeploy's log directory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def for_rank(cls, log_dir: str, dp_rank: int, tp_rank: int) -> Record:
+        return cls(
+            os.path.join(log_dir, "fd_cudagraph", f"graph_memory.dp{dp_rank}.tp{tp_rank}.json")
+        )
+
+    def load(self) -> tuple[dict[str, Any], str | None]:
+        """The plans recorded, and why none could be read (missing, corrupt) or None."""
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            return {}, "no record yet"
+        except (OSError, ValueError) as error:
+            return {}, f"the record {self.path} is unreadable ({type(error).__name__}: {error})"
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+            return {}, f"the record {self.path} is not an {RECORD_FORMAT} file"
+        plans = data.get("plans")
+        return (plans if isinstance(plans, dict) else {}), None
+
+    def lookup(self, key: str) -> tuple[int | None, str]:
+        """The bytes recorded for ``key``, or None and why not."""
+        plans, problem = self.load()
+        if problem is not None:
+            return None, problem
+        entry = plans.get(key)
+        if not isinstance(entry, dict):
+            return None, "no record of this plan yet (model, sizes, modes or ranks changed)"
+        value = entry.get("bytes")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return None, f"the record {self.path} has a bad entry for this plan"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("time", 0)))
+        return value, f"measured at the start of {when} with this plan"
+
+    def store(self, key: str, nbytes: int, what: dict[str, Any]) -> None:
+        """Keep ``nbytes`` for ``key``; raises OSError (the caller counts it, never fails on it)."""
+        plans, _ = self.load()
+        plans[key] = {"bytes": int(nbytes), "time": round(time.time(), 3), "plan": what}
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, exist_ok=True)
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump({"format": RECORD_FORMAT, "plans": plans}, handle, indent=1)
+        os.replace(temporary, self.path)
+
+
+@dataclass
+class Reserve:
+    """The reserve applied to this worker's KV-cache budget, and where its figure came from."""
+
+    nbytes: int
+    source: str
+    #: The record keys (one per capture phase) whose graphs the reserve is for.
+    keys: tuple[str, ...] = ()

@@ -1,0 +1,59 @@
+"""``GpuWorker``: the memory profile that sizes the KV cache, as upstream's (2.4 through develop).
+
+``determine_available_memory()`` runs the profile run and answers
+``total * gpu_memory_utilization - used after the profile run - the profile's peak increase +
+the profile KV cache's bytes`` (gpu_worker.py); the device is the plugin's simulated runtime's,
+whose ``device_memory()`` plays NVML. The profile's peak increase is its KV cache alone here:
+the stand-in's dummy runs allocate no activations on that device. ``initialize_kv_cache`` is what
+``worker_process.initialize_kv_cache`` does with the answer: blocks of the runner's
+``block_bytes``, then ``initialize_cache`` (with ``num_gpu_blocks_override``, no profile run).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner, _simulated_device
+
+
+class GpuWorker:
+    def __init__(self, fd_config: Any, model_runner: GPUModelRunner) -> None:
+        self.fd_config = fd_config
+        self.cache_config = fd_config.cache_config
+        self.model_runner = model_runner
+
+    def cal_theortical_kvcache(self) -> int:
+        return self.model_runner.block_bytes
+
+    def determine_available_memory(self) -> int:
+        device = _simulated_device()
+        before = device.other_used
+        self.model_runner.profile_run()
+        # Upstream: the peak of max_memory_allocated during the profile run, which holds the
+        # profile's KV cache, and then adds that cache back. Here the peak is that cache alone.
+        profile_kv = self.cal_theortical_kvcache() * self.cache_config.total_block_num
+        peak_increase = max(device.other_used - before, 0) + profile_kv
+        free, total = device.device_memory()
+        used = total - free
+        available = total * self.cache_config.gpu_memory_utilization - used - peak_increase
+        available += profile_kv
+        return int(available)
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None:
+        self.model_runner.update_share_input_block_num(num_gpu_blocks=num_gpu_blocks)
+
+    def graph_optimize_and_warm_up_model(self) -> None:
+        self.model_runner.capture_model()
+
+
+def initialize_kv_cache(worker: GpuWorker) -> int:
+    """``PaddleDisWorkerProc.initialize_kv_cache`` on one rank; returns the blocks allocated."""
+    override = worker.cache_config.num_gpu_blocks_override
+    if override is None:
+        blocks = int(worker.determine_available_memory() // worker.cal_theortical_kvcache())
+        if blocks <= 0:
+            raise ValueError(f"Not enough memory for the KV cache: {blocks} blocks")
+    else:
+        blocks = override
+    worker.initialize_cache(num_gpu_blocks=blocks)
+    return blocks

@@ -1,0 +1,224 @@
+"""Graph memory inside FastDeploy's KV-cache budget: the figures after capture, the advice after
+an out-of-memory, and FD_CUDAGRAPH_KV_RESERVE with its record (simulated device memory).
+
+The stand-in's ``GpuWorker.determine_available_memory()`` does upstream's arithmetic on the
+simulated runtime's device: ``total * gpu_memory_utilization - used after the profile run + the
+profile KV cache``; the KV cache is then allocated and ``capture_model()`` runs, as in
+``worker_process``. Each graph here costs 20 MiB (``graph_overhead``), as scratch memory would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from conftest import DecoratedMixing, make_config
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
+
+from fd_cudagraph_plugin.core import budget, worker
+from fd_cudagraph_plugin.core.errors import CaptureError, ConfigError
+from fd_cudagraph_plugin.core.options import PluginOptions
+
+MiB = 1 << 20
+GRAPH = 20 * MiB
+WEIGHTS = 100 * MiB
+
+
+@pytest.fixture
+def device(plugin_registered, monkeypatch, tmp_path):
+    monkeypatch.setenv("FD_LOG_DIR", str(tmp_path))  # the record lives here
+    return _device(plugin_registered)
+
+
+def _device(sim):
+    sim.device_total = 1024 * MiB
+    sim.graph_overhead = GRAPH
+    sim.allocate(WEIGHTS)
+    return sim
+
+
+def start(utilization: float, sizes=(8, 4, 2, 1), **graph_args):
+    """One worker's start: memory profile, KV cache, capture_model()."""
+    config = make_config(8, cudagraph_capture_sizes=list(sizes), **graph_args)
+    config.cache_config.gpu_memory_utilization = utilization
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    gpu = GpuWorker(config, runner)
+    blocks = initialize_kv_cache(gpu)
+    runner.capture_model()
+    return model.graph_opt_backend.cudagraph_piecewise_backend, blocks
+
+
+def restart(sim, backend):
+    """A new process: a fresh worker, runtime and device; the record on disk kept."""
+    from fd_cudagraph_plugin.core import runtime
+    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
+
+    backend.clear_graph()
+    worker.reset_for_tests()
+    fresh = _device(SimulatedRuntime())
+    runtime.install_runtime(fresh)
+    return fresh
+
+
+@pytest.mark.parametrize(
+    ("utilization", "free_gib", "fit"),
+    [(0.90, 10.0, 0.99), (0.90, 3.0, 0.92), (0.90, 0.5, 0.89), (0.50, 1.0, 0.5)],
+)
+def test_the_highest_utilization_that_fits_keeps_the_margin_free(utilization, free_gib, fit):
+    total = 80 << 30
+    assert budget.margin(total) == 1 << 30
+    assert budget.fit_utilization(utilization, int(free_gib * (1 << 30)), total) == fit
+
+
+def test_the_memory_line_names_the_tightest_rank():
+    ranks = [
+        budget.RankMemory(0, 100 * MiB, 0, 9 << 30, 80 << 30, 0.9),
+        budget.RankMemory(1, 100 * MiB, 0, 5 << 30, 80 << 30, 0.9),
+    ]
+    line = budget.memory_line(ranks, rank=0)
+    assert line == (
+        "5.0 GiB of 80.0 GiB free after capture (tightest: rank 1); gpu_memory_utilization up "
+        "to 0.95 would fit (now 0.90, keeping 1.0 GiB free)"
+    )
+
+
+def test_after_capture_the_summary_says_where_the_memory_went_and_what_would_fit(device, caplog):
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        backend, _ = start(0.80)
+    report = backend.capture_report
+    (mine,) = report.memory
+    assert mine.graph_bytes == 4 * GRAPH + sum(s * 8 * 4 for s in (8, 4, 2, 1))
+    free, total = device.device_memory()
+    assert (mine.free, mine.total) == (free, total)
+    fit = budget.fit_utilization(0.80, free, total)
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured")]
+    assert summary[0].endswith(
+        f"gpu_memory_utilization up to {fit:.2f} would fit (now 0.80, keeping 51.2 MiB free)"
+    )
+    # Applied at the next start, the advice leaves the margin free, to within a block.
+    device = restart(device, backend)
+    backend, _ = start(fit)
+    free_after, _ = device.device_memory()
+    assert abs(free_after - budget.margin(total)) <= 11 * MiB  # 0.01 of the device, rounded down
+
+
+@pytest.mark.parametrize(
+    ("utilization", "size", "done", "advice"),
+    [
+        (0.99, 8, "Out of memory before the first of 4 graphs, with 11.0 MiB", "below 0.94"),
+        (0.98, 4, "Out of memory after 1 of 4 graphs, which took 20.0 MiB, with 1023", "to 0.87"),
+        (0.95, 2, "Out of memory after 2 of 4 graphs, which took 40.0 MiB, with 12.0", "to 0.87"),
+    ],
+)
+def test_at_a_high_utilization_fastdeploys_flow_runs_out_of_memory_in_capture(
+    device, utilization, size, done, advice
+):
+    with pytest.raises(CaptureError) as raised:
+        start(utilization)
+    message = str(raised.value)
+    assert f"capture failed for decode size {size}" in message
+    assert done in message and f"Lower --gpu-memory-utilization {advice}" in message
+    assert "FD_CUDAGRAPH_KV_RESERVE=auto" in message
+
+
+def test_the_advice_after_an_out_of_memory_fits_when_applied(device):
+    with pytest.raises(CaptureError):
+        start(0.95)
+    backend = worker.current().backends()[0]
+    restart(device, backend)
+    backend, _ = start(0.87)  # what the advice said
+    backend.check_capture_successful()
+
+
+def test_auto_reserves_a_probes_estimate_then_the_record_and_every_graph_fits(
+    device, caplog, monkeypatch
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        backend, blocks = start(0.98)  # first start: no record, a probe
+    reserve = worker.current().kv_reserve
+    assert reserve.nbytes == GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4  # largest + 3 x middle
+    assert "no record yet; estimated from a probe capture of sizes [8, 2, 1]" in reserve.source
+    assert backend.captures == 4 + 3  # the probe's three, released, and the four served
+    backend.check_capture_successful()
+    free, total = device.device_memory()
+    assert free >= 0 and total - free <= total * 0.98 + MiB  # within FastDeploy's budget
+    assert any("the KV cache may take" in r.getMessage() for r in caplog.records)
+
+    taken = backend.capture_report.graph_bytes
+    restart(device, backend)
+    backend, second = start(0.98)  # second start: the record
+    reserve = worker.current().kv_reserve
+    assert reserve.nbytes == taken and "measured at the start of" in reserve.source
+    assert backend.captures == 4  # no probe
+    assert second >= blocks  # the record is no larger than the probe's estimate
+
+
+def test_a_changed_plan_does_not_reuse_a_stale_figure(device, monkeypatch):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    backend, _ = start(0.95)
+    restart(device, backend)
+    start(0.95, sizes=(8, 4, 2))  # another plan: probe again, not the record of four sizes
+    assert "estimated from a probe" in worker.current().kv_reserve.source
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"})])
+def test_a_corrupt_record_is_treated_as_missing_and_said(device, monkeypatch, tmp_path, content):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    monkeypatch.setenv("FD_LOG_DIR", str(tmp_path))
+    path = budget.Record.for_rank(str(tmp_path), 0, 0).path
+    import os
+
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as handle:
+        handle.write(content)
+    backend, _ = start(0.95)
+    source = worker.current().kv_reserve.source
+    assert path in source and "estimated from a probe" in source
+    backend.check_capture_successful()
+    with open(path) as handle:
+        assert json.load(handle)["format"] == budget.RECORD_FORMAT  # rewritten
+
+
+def test_an_explicit_size_takes_exactly_that_out_of_the_kv_cache(device, monkeypatch):
+    backend, blocks = start(0.90)
+    restart(device, backend)
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "64MiB")
+    _, fewer = start(0.90)
+    assert blocks - fewer == 64  # 1 MiB blocks
+    assert worker.current().kv_reserve.source == "FD_CUDAGRAPH_KV_RESERVE=64.0 MiB"
+
+
+def test_a_short_reserve_is_said_after_capture(device, monkeypatch, caplog):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "10MiB")
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        start(0.80)
+    (warning,) = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
+    assert (
+        "reserved 10.0 MiB (FD_CUDAGRAPH_KV_RESERVE=10.0 MiB)" in warning
+        and "too little" in warning
+    )
+
+
+def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, caplog):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    config = make_config(8, cudagraph_capture_sizes=[8, 4, 2, 1])
+    config.cache_config.num_gpu_blocks_override = 100
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()  # FastDeploy still builds the backends; no memory profile follows
+    with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
+        assert initialize_kv_cache(GpuWorker(config, runner)) == 100
+        runner.capture_model()
+    assert worker.current().kv_reserve is None
+    assert any("num_gpu_blocks_override" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-2GiB", "2TiB", "2 parsecs"])
+def test_a_bad_reserve_is_refused_naming_the_setting(monkeypatch, value):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", value)
+    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_KV_RESERVE=.*off, auto, or a size"):
+        PluginOptions.from_env()
