@@ -351,3 +351,39 @@ def test_clear_graph_releases_graphs_even_when_the_summary_fails(sim, monkeypatc
     monkeypatch.setattr(stats, "format_table", broken)
     backend.clear_graph()
     assert sim.live_graphs == 0
+
+
+def test_a_failed_capture_keeps_nothing_alive_while_the_caller_holds_the_error(sim):
+    """The error's traceback reaches the frames of the failed capture, whose tensors live in
+    the graph pool: once clear_graph() has run, holding the error must not keep them."""
+    import gc
+    import weakref
+
+    alive = []
+
+    class FailsInCapture(MixingBackbone):
+        def forward(self, ids_remove_padding, forward_meta):
+            out = super().forward(ids_remove_padding, forward_meta)
+            if sim.capturing and ids_remove_padding.shape[0] == 4:
+                alive.append(weakref.ref(out))  # what the capture allocated in the pool
+                raise RuntimeError("CUDA error(2): out of memory")
+            return out
+
+    model = FailsInCapture()
+    backend = CudaGraphBackend(
+        fd_config=make_config(8, cudagraph_capture_sizes=[8, 4]),
+        dy_runnable=model.forward,
+        runnable=model.forward,
+    )
+    buffers = Buffers()
+    backend(**buffers.step(8))
+    graphs = [weakref.ref(e.graph) for e in backend.entries.all() if e.graph is not None]
+    outputs = [weakref.ref(e.result) for e in backend.entries.all() if e.result is not None]
+    try:
+        backend(**buffers.step(4))
+    except CaptureError as error:
+        held = error
+    backend.clear_graph()
+    gc.collect()
+    assert held is not None and len(alive) == 1 and graphs and outputs
+    assert [ref for ref in alive + graphs + outputs if ref() is not None] == []
