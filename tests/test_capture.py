@@ -230,3 +230,24 @@ def test_roles_come_from_the_runner_not_from_the_order_backends_were_built(plugi
     }
     roles = {r.backend: r.role for r in backends["target"].capture_report.records}
     assert sorted(roles.values()) == ["draft", "target"]
+
+
+def test_a_failure_on_another_rank_stops_this_one_with_that_ranks_cause(sim):
+    """This rank's capture is fine; rank 1 reports an out-of-memory at the same point."""
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
+    backend, _ = build(config)
+
+    def peer(rank, label, status):
+        if label.startswith("capture decode size 2"):
+            failure = {"rank": 1, "stage": "capture", "where": "decode size 2", "mode": "dynamic"}
+            failure.update(error="RuntimeError: CUDA error(2): out of memory", explained=False)
+            return {"failure": {**failure, "out_of_memory": True}}
+        return status
+
+    buffers = Buffers()
+    expected = r"failed on tensor-parallel rank 1 of 2 .*size 2"
+    session = CaptureSession("decode", fd_config=config, link=PeerLink(peer=peer))
+    with pytest.raises(CaptureError, match=expected), session:
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    assert served_by(backend, buffers.step(2))[1] is None  # rank 1's failed size: no graph here

@@ -117,6 +117,11 @@ def test_padding_table_matches_fastdeploys_map_when_it_is_not_stale():
         ("FD_CUDAGRAPH_AR_REGISTRATION", "anything"),
         ("FD_CUDAGRAPH_LATE_CAPTURE", "capture"),
         ("FD_CUDAGRAPH_LATE_CAPTURE", "eager"),
+        ("FD_CUDAGRAPH_WARMUP", "warm_all_first"),
+        ("FD_CUDAGRAPH_WARMUP", "largest_only"),
+        ("FD_CUDAGRAPH_WARMUP", "per_size"),
+        ("FD_CUDAGRAPH_POOL", "device"),
+        ("FD_CUDAGRAPH_POOL", "Device"),
     ],
 )
 def test_a_removed_option_stops_register_saying_it_was_removed_and_why(
@@ -125,8 +130,10 @@ def test_a_removed_option_stops_register_saying_it_was_removed_and_why(
     from fd_cudagraph_plugin import plugin
 
     monkeypatch.setenv(env, value)
+    version = "0\\.3" if env in ("FD_CUDAGRAPH_WARMUP", "FD_CUDAGRAPH_POOL") else "0\\.2"
     with pytest.raises(
-        ConfigError, match=rf"^{env} was removed in fd-cudagraph-plugin 0\.2: .*Unset"
+        ConfigError,
+        match=rf"^{env}(=device)? was removed in fd-cudagraph-plugin {version}: .*Unset",
     ):
         plugin.register()
 
@@ -138,6 +145,9 @@ def test_a_removed_option_stops_register_saying_it_was_removed_and_why(
         ("FD_CUDAGRAPH_STATS_INTERVAL", "nan", "from 0 \\(off\\) to 86400"),
         ("FD_CUDAGRAPH_CHECK_ADDRESSES", "sampled:99999999999999999999", "1 <= N <= 1000000"),
         ("FD_CUDAGRAPH_CHECK_ADDRESSES", "sampled:0", "1 <= N <= 1000000"),
+        ("FD_CUDAGRAPH_RANK_TIMEOUT", "0", "from 1 to 86400"),
+        ("FD_CUDAGRAPH_RANK_TIMEOUT", "1e9", "from 1 to 86400"),
+        ("FD_CUDAGRAPH_RANK_TIMEOUT", "soon", "from 1 to 86400"),
     ],
 )
 def test_numeric_options_are_range_checked(monkeypatch, env, value, message):

@@ -9,7 +9,7 @@ import logging
 
 import paddle
 import pytest
-from conftest import DecoratedBackbone, TinyBackbone, make_config
+from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config
 from fastdeploy.model_executor.graph_optimization.decorator import support_graph_optimization
 from fastdeploy.model_executor.graph_optimization.graph_optimization_backend import (
     apply_to_static_optimization,
@@ -88,3 +88,18 @@ def test_static_full_decode_is_none_in_other_modes(plugin_registered):
     runner = GPUModelRunner(config, model)
     runner.capture_model()
     assert model.graph_opt_backend.cudagraph_piecewise_backend.stats()["static_full_decode"] is None
+
+
+def test_a_replay_of_a_key_paddle_never_captured_runs_the_program_plainly(partial_program_calls):
+    """REPLAY reaches Paddle only for keys it captured: there is no graph to replay otherwise."""
+    from fd_cudagraph_plugin.core.static import StaticGraphDriver
+
+    model = DecoratedBackbone(fd_config=make_config(4, graph_opt_level=1))
+    static = model.graph_opt_backend.runnable
+    driver = StaticGraphDriver()
+    step = Buffers().step(2)
+    with sot_warmup_guard(True):
+        driver.capture(static, step, 2)
+    driver.replay(static, step, 2)
+    driver.replay(static, step, 4)  # never captured
+    assert partial_program_calls[-2:] == [("REPLAY", 2), ("DISABLE", 0)]

@@ -92,8 +92,8 @@ class Capturer:
         done: dict[str, Any] = {}
 
         def capture() -> None:
-            self.runtime.synchronize()
-            # Measured around the capture alone: warm-ups may grow ordinary allocator memory.
+            # Measured around the capture alone: warm-ups may grow ordinary allocator memory. The
+            # runtime synchronises before it begins the capture (after the warm-up point).
             before = self.runtime.pool_bytes(self.pool)
             with fastdeploy.allreduce_capturing(allreduce):
                 if key.static:
