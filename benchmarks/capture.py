@@ -5,8 +5,6 @@ are no-ops to replay, and FastDeploy's own ``capture_model()`` loop (the stand-i
 ``tests/fastdeploy_stub``) drives both backends, so the difference is what each backend runs
 eagerly per size: warm-ups, the captured run, and the replay that ends a capture.
 
-It also measures what the session's ``gc.freeze()`` buys: a full ``gc.collect()`` over a heap the
-size of ``--heap-objects``, frozen and not (libraries such as PyTorch collect at every capture).
 
     python benchmarks/capture.py \
         --fastdeploy-backend PATH/TO/cudagraph_piecewise_backend.py
@@ -15,7 +13,6 @@ size of ``--heap-objects``, frozen and not (libraries such as PyTorch collect at
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -81,27 +78,12 @@ def time_capture(backend_class, max_num_seqs: int) -> tuple[float, float, int]:
     return elapsed, setup, len(config.graph_opt_config.cudagraph_capture_sizes)
 
 
-def gc_collect_seconds(heap_objects: int, frozen: bool) -> float:
-    heap = [{"i": i} for i in range(heap_objects)]
-    gc.collect()
-    if frozen:
-        gc.freeze()
-    started = time.perf_counter()
-    gc.collect()
-    elapsed = time.perf_counter() - started
-    if frozen:
-        gc.unfreeze()
-    del heap
-    return elapsed
-
-
 def main(argv: list[str] | None = None) -> int:
     global EAGER_SECONDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fastdeploy-backend", type=Path, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--eager-ms", type=float, default=2.0)
-    parser.add_argument("--heap-objects", type=int, default=2_000_000)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians shown")
     args = parser.parse_args(argv)
     EAGER_SECONDS = args.eager_ms / 1e3
@@ -130,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         f"capture_model() over {rows[0][3]} sizes (max_num_seqs={args.max_num_seqs}), "
         f"eager forward {args.eager_ms:g} ms, 2 warm-ups per size (FastDeploy's default).\n"
         f"Median of {args.rounds} interleaved rounds. Per size excludes the session's one-off "
-        f"setup (GC freeze, plan agreement), shown apart."
+        f"setup (the plan agreement), shown apart."
     )
     reference = (rows[0][1] - rows[0][2]) / rows[0][3]
     for name, elapsed, setup, sizes in rows:
@@ -139,12 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             f"  {name:44s} total {elapsed * 1e3:6.1f} ms (setup {setup * 1e3:4.1f} ms)  "
             f"{per_size * 1e3:6.2f} ms/size  x{reference / per_size:.2f} vs {rows[0][0]}"
         )
-    unfrozen = gc_collect_seconds(args.heap_objects, frozen=False)
-    frozen = gc_collect_seconds(args.heap_objects, frozen=True)
-    print(
-        f"gc.collect() over {args.heap_objects} live objects: {unfrozen * 1e3:.1f} ms unfrozen, "
-        f"{frozen * 1e3:.2f} ms frozen (x{unfrozen / max(frozen, 1e-9):.0f})"
-    )
     return 0
 
 

@@ -79,13 +79,13 @@ def test_static_split_prefill_loop_gets_its_own_session(plugin_registered):
     assert backend.capture_report.phase == "decode"
 
 
-def test_gc_is_frozen_during_the_session_and_restored_after_an_error(plugin_registered):
+def test_gc_is_held_off_during_the_session_and_restored_after_an_error(plugin_registered):
     config = make_config(4)
     seen = []
 
     class Recording(DecoratedBackbone):
         def forward(self, ids_remove_padding, forward_meta):
-            seen.append(gc.get_freeze_count())
+            seen.append(gc.isenabled())
             if ids_remove_padding.shape[0] == 2 and worker.current().session is not None:
                 raise RuntimeError("CUDA error: out of memory")
             return super().forward(ids_remove_padding, forward_meta)
@@ -94,8 +94,8 @@ def test_gc_is_frozen_during_the_session_and_restored_after_an_error(plugin_regi
     seen.clear()
     with pytest.raises(CaptureError, match=r"warm-up failed for decode size 2 .*out of memory"):
         runner.capture_model()
-    assert seen and all(count > 0 for count in seen)
-    assert gc.get_freeze_count() == 0
+    assert seen and not any(seen)  # no automatic collection during the session
+    assert gc.isenabled()
     assert worker.current().session is None
 
 
@@ -113,7 +113,7 @@ def test_plan_check_diff_names_the_key_and_both_values(sim):
         CaptureSession("decode", link=PeerLink(peer=peer)),
     ):
         pass
-    assert worker.current().session is None and gc.get_freeze_count() == 0
+    assert worker.current().session is None and gc.isenabled()
 
 
 def test_a_size_first_seen_after_the_sessions_runs_eagerly_and_warns_once(sim, caplog):

@@ -82,6 +82,11 @@ class Entries:
             for s in settings.prefill_graph_sizes
         }
         self.served: list[GraphEntry | None] = [None] * len(settings.key_table)
+        #: For each decode size, the hot path's keys that pad to it.
+        self._keys_of: dict[int, list[int]] = {}
+        for key, size in enumerate(settings.key_table):
+            if key and size:
+                self._keys_of.setdefault(size, []).append(key)
 
     def entry(self, key: GraphKey) -> GraphEntry:
         return (self.decode if key.phase == DECODE else self.prefill)[key.size]
@@ -93,9 +98,8 @@ class Entries:
         if entry.phase != DECODE or entry.key.static or self.settings.only_prefill:
             return
         served = None if entry.disabled or not entry.captured else entry
-        for key, size in enumerate(self.settings.key_table):
-            if key and size == entry.size:
-                self.served[key] = served
+        for key in self._keys_of.get(entry.size, ()):
+            self.served[key] = served
 
     def all(self) -> list[GraphEntry]:
         return [*self.decode.values(), *self.prefill.values()]

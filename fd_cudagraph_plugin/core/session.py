@@ -4,8 +4,11 @@ FastDeploy's ``capture_model()`` (decode) and ``capture_model_prefill_and_mixed(
 prefill) own the dummy runs that make the backends capture. Each runs inside a ``CaptureSession``
 (``hooks.py`` opens it), which:
 
-* freezes Python's GC for the session (without a full collection first: with Paddle loaded one
-  took 60-100 ms that FastDeploy's own capture does not spend) and restores it, also on error;
+* holds off Python's automatic garbage collection for the session, so no collection of the
+  process's live objects pauses a capture, and turns it back on afterwards, also on error (no
+  full collection first: with Paddle loaded one took 60-100 ms that FastDeploy's own capture does
+  not spend; ``gc.freeze()``'s bookkeeping, ``gc.get_freeze_count()``, took up to 17 ms a
+  session on the H200 host, so it is not used);
 * has every tensor-parallel rank agree at fixed points (``Points``), so that a failure on one rank
   becomes the same ``CaptureError`` on every rank before any rank enters a collective the failed
   one will not join;
@@ -93,7 +96,7 @@ class CaptureReport:
     phase: str
     rank: int
     seconds: float = 0.0
-    #: Of ``seconds``: the one-off start (GC freeze, the plan agreement).
+    #: Of ``seconds``: the one-off start (the plan agreement).
     setup_seconds: float = 0.0
     #: Of ``seconds``: time spent at agreement points (waiting for other ranks included).
     agreement_seconds: float = 0.0
@@ -469,7 +472,7 @@ class CaptureSession:
         self._device_before: tuple[Any, int] | None = None
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
-        self._unfreeze = False
+        self._collect_again = False
 
     @property
     def rank(self) -> int:
@@ -479,8 +482,8 @@ class CaptureSession:
         if self.worker.session is not None:
             raise RuntimeError("capture sessions do not nest")
         self._started = time.perf_counter()
-        self._unfreeze = gc.get_freeze_count() == 0
-        gc.freeze()
+        self._collect_again = gc.isenabled()
+        gc.disable()
         try:
             link = self._link or link_for(self.fd_config, self.options)
             link.next_epoch()
@@ -560,8 +563,8 @@ class CaptureSession:
     def _close(self) -> None:
         for bar in self._bars.values():
             bar.close()
-        if self._unfreeze:
-            gc.unfreeze()
+        if self._collect_again:
+            gc.enable()
         if self.worker.session is self:
             self.worker.session = None
             self.worker.sessions_ended += 1
@@ -696,7 +699,10 @@ class CaptureSession:
             )
             self._bars[(label, record.backend)] = bar
         graph_bytes = sum(r.graph_bytes for r in self.report.records if r.backend == record.backend)
-        bar.set_postfix_str(f"size {record.size}, graph memory {human_bytes(graph_bytes)}")
+        # Drawn at tqdm's own pace (update's mininterval), not at every graph.
+        bar.set_postfix_str(
+            f"size {record.size}, graph memory {human_bytes(graph_bytes)}", refresh=False
+        )
         bar.update(1)
 
 

@@ -51,15 +51,26 @@ def paddle_cuda() -> Any:
     return namespace
 
 
+_nvml: list[Any] = []  # (pynvml, handle) once NVML is initialised; [None] where it cannot be
+
+
 def _driver_memory() -> tuple[int, int] | None:
     """(free, total) bytes of this worker's GPU from the driver, as FastDeploy's memory profile
-    reads them (pynvml, which FastDeploy depends on); None where NVML cannot say."""
+    reads them (pynvml, which FastDeploy depends on); None where NVML cannot say. NVML is
+    initialised once per process: nvmlInit costs milliseconds, and counts its callers."""
     try:
-        import pynvml
+        if not _nvml:
+            import pynvml
 
-        pynvml.nvmlInit()
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(_nvml_index()))
+            pynvml.nvmlInit()
+            _nvml.append((pynvml, pynvml.nvmlDeviceGetHandleByIndex(_nvml_index())))
+        if _nvml[0] is None:
+            return None
+        pynvml, handle = _nvml[0]
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
     except Exception:  # no pynvml, no driver, no such device: the figures are left out
+        if not _nvml:
+            _nvml.append(None)
         return None
     return int(info.free), int(info.total)
 
