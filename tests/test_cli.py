@@ -107,3 +107,78 @@ def test_ctrl_c_exits_130_without_a_traceback():
     _, err = reader.communicate(timeout=60)
     assert reader.returncode == 130, err
     assert b"Traceback" not in err and b"interrupted" in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["plan"], ["doctor"], ["tune", "-", "--max-graphs", "1"]], ids=lambda a: a[0]
+)
+def test_started_with_stdout_closed_exits_2_with_one_line_and_no_traceback(argv):
+    """``fd-cudagraph plan >&-``: Python has no sys.stdout then; nothing is run or written."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=lambda: os.close(1),
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [
+        "fd-cudagraph: standard output is closed; nothing to write the result to. Redirect it "
+        "to a file or /dev/null instead."
+    ]
+
+
+#: A ``paddle`` that is interrupted while it imports: as Paddle's bare ``except:`` clauses do,
+#: it swallows the KeyboardInterrupt and then fails to import; or it lets it through.
+FAKE_PADDLE = """
+import os, signal
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100000):
+        pass
+except {caught}:
+    pass
+raise ImportError("libpaddle.so: cannot open shared object file")
+"""
+
+
+@pytest.mark.parametrize("caught", ["BaseException", "ImportError"], ids=["swallowed", "raised"])
+@pytest.mark.parametrize("command", [["demo"], ["doctor"]], ids=lambda c: c[0])
+def test_ctrl_c_while_paddle_imports_is_an_interrupt_not_a_missing_paddle(
+    command, caught, tmp_path
+):
+    package = tmp_path / "paddle"
+    package.mkdir()
+    (package / "__init__.py").write_text(FAKE_PADDLE.format(caught=caught))
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *command],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == ["fd-cudagraph: interrupted"]
+    assert "paddle" not in done.stdout.lower()
+
+
+@pytest.mark.parametrize("error", ["ImportError", "ModuleNotFoundError"])
+def test_demo_without_paddle_says_what_to_install_and_no_name_from_an_index(error, tmp_path):
+    """The plugin is not on PyPI: the advice installs Paddle, or the demo extra of a checkout."""
+    package = tmp_path / "paddle"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"raise {error}('No module named paddle.base')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "demo"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "pip install paddlepaddle==3.3.1" in done.stderr
+    assert "pip install 'fd-cudagraph-plugin" not in done.stderr
+    assert "'/path/to/fd-cudagraph-plugin[demo]'" in done.stderr

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+
+import pytest
 
 from fd_cudagraph_plugin.tools.demo import format_report, run_demo
 
@@ -14,6 +17,45 @@ def test_demo_serves_every_step_equal_to_eager_on_the_simulated_runtime():
     assert sum(report.stats["replays"].values()) + report.eager_above_max == 60
     text = format_report(report)
     assert "simulated runtime" in text and "0 mismatches in 60 steps -- OK" in text
+
+
+SERVED = re.compile(
+    r"served (\d+) decode steps: (\d+) replayed a graph, (\d+) ran eagerly \((\d+) above the "
+    r"largest size, (\d+) tokens, which GraphOptBackend runs eagerly before the backend; (\d+) in "
+    r"the backend(?:: [^)]*)?\)"
+)
+BACKEND = re.compile(
+    r"the backend, which saw (\d+) of them: (\d+) captures, (\d+) replays, (\d+) padded tokens, "
+    r"eager fallbacks (\d+)"
+)
+CAPTURED = re.compile(r"captured (\d+) graphs \(sizes (\d+)\.\.(\d+)\)")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "steps", "seed"), [([1, 2, 4, 8], 60, 3), ([1, 2, 4, 8, 16, 24, 32], 200, 0)]
+)
+def test_every_figure_the_demo_prints_agrees_with_the_others(sizes, steps, seed):
+    """Captures ran in a capture session and are not served traffic: the served steps are the
+    replays plus the eager steps, and the table, the header and the summary say the same."""
+    report = run_demo(sizes=sizes, steps=steps, seed=seed, runtime_name="simulated")
+    text = format_report(report)
+    lines = text.splitlines()
+    served = SERVED.search(text)
+    backend = BACKEND.search(text)
+    captured = CAPTURED.search(text)
+    assert served and backend and captured, text
+    total, replays, eager, above, largest, in_backend = map(int, served.groups())
+    saw, captures, backend_replays, padded, fallbacks = map(int, backend.groups())
+    assert total == steps == replays + eager and eager == above + in_backend
+    assert largest == max(sizes) and (int(captured[2]), int(captured[3])) == (1, max(sizes))
+    assert saw == replays + in_backend and backend_replays == replays and fallbacks == in_backend
+    assert captures == int(captured[1]) == len(sizes)
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("size"))
+    rows = [line.split() for line in lines[header + 1 : header + 1 + len(sizes)]]
+    assert [int(row[0]) for row in rows] == sorted(sizes)
+    assert sum(int(row[1]) for row in rows) == replays
+    assert sum(int(row[2]) for row in rows) == padded
+    assert f"replay vs eager: 0 mismatches in {steps} steps -- OK" in text
 
 
 def test_python_dash_m_demo_exits_zero_and_says_which_runtime():

@@ -41,9 +41,27 @@ def test_entry_point_of_the_installed_package_is_found_and_loads():
     assert "fd_cudagraph_plugin.plugin:register" in result.detail
 
 
-def test_missing_entry_point_fails_with_the_install_command():
+def test_missing_entry_point_fails_with_an_install_command_that_works():
+    """The plugin is not on PyPI: the fix installs a checkout or a wheel, never a name there."""
     result = doctor.check_entry_point({}, entry_points=_entry_points())
-    assert result.status == FAIL and "pip install fd-cudagraph-plugin" in result.fix
+    assert result.status == FAIL and "pip install /path/to/fd-cudagraph-plugin" in result.fix
+    assert "fd_cudagraph_plugin-" in result.fix and "not on PyPI" in result.fix
+
+
+@pytest.mark.parametrize(
+    "points",
+    [
+        [_point("fd_cudagraph_plugin_missing_module:register")],
+        [_point("fd_cudagraph_plugin.plugin:register"), _point("other:register")],
+        [],
+    ],
+    ids=["does not load", "installed twice", "missing"],
+)
+def test_no_fix_installs_the_plugin_by_name_from_an_index(points):
+    result = doctor.check_entry_point({}, entry_points=_entry_points(*points))
+    words = [word.strip(".,;()") for word in result.fix.split()]
+    installs = [words[i + 1 : i + 3] for i, w in enumerate(words) if w == "install"]
+    assert installs and all(doctor.DISTRIBUTION not in args for args in installs), result.fix
 
 
 def test_entry_point_that_does_not_load_fails():
@@ -124,6 +142,40 @@ def test_cpu_paddle_fails_for_serving_and_warns_on_the_simulated_runtime(check):
     assert warned.status == WARN and "simulated" in warned.detail
 
 
+@pytest.mark.parametrize("check", ["check_paddle", "check_cuda_graphs", "check_platform"])
+def test_with_fastdeploys_own_backend_the_cuda_runtime_is_not_checked(check):
+    """FD_CUDAGRAPH_BACKEND=native: the plugin's CUDA runtime never runs, so no CUDA check fails."""
+    result = getattr(doctor, check)({"FD_CUDAGRAPH_BACKEND": "native"})
+    assert result.status == OK and "CUDA runtime is not used" in result.detail
+
+
+@pytest.mark.parametrize(
+    ("device", "why"),
+    [
+        ("xpu", "FastDeploy's platform is XPU, not NVIDIA CUDA"),
+        ("maca", "FastDeploy's platform is MetaX (MACA), not NVIDIA CUDA"),
+        ("cuda", "this Paddle is not compiled with CUDA"),  # this machine's Paddle is a CPU build
+    ],
+)
+def test_doctor_says_when_the_plugin_stands_aside_as_register_logs_it(device, why, capsys):
+    import paddle
+    from fastdeploy.platforms import current_platform
+
+    if paddle.is_compiled_with_cuda():
+        pytest.skip("this Paddle has CUDA")
+    current_platform.device_name = device
+    assert main(["doctor"]) == 1
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL  platform")]
+    assert line.startswith("FAIL  platform: fd-cudagraph-plugin") and why in line
+    assert "stands aside" in line and "keeps its own CUDA-graph backend" in line
+
+
+def test_the_platform_check_passes_where_register_installs_the_plugin(monkeypatch):
+    monkeypatch.setattr(doctor, "cuda_runtime_blocker", lambda: None)
+    assert doctor.check_platform({}).status == OK
+    assert doctor.check_platform({"FD_CUDAGRAPH_RUNTIME": "simulated"}).status == OK
+
+
 # --------------------------------------------------------------- options
 
 
@@ -153,6 +205,18 @@ def test_free_form_options_are_checked_by_their_parser(option):
 def test_set_options_are_listed():
     result = doctor.check_options({"FD_CUDAGRAPH_RUNTIME": "simulated"})
     assert result.status == OK and "FD_CUDAGRAPH_RUNTIME=simulated; the other" in result.detail
+
+
+@pytest.mark.parametrize(("importable", "status"), [(True, OK), (False, WARN)])
+def test_metrics_without_prometheus_client_warn_with_the_fix(importable, status, monkeypatch):
+    """FD_CUDAGRAPH_METRICS=1 exports nothing without prometheus_client (metrics.py logs it)."""
+    if not importable:
+        monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    result = doctor.check_options({"FD_CUDAGRAPH_METRICS": "1"})
+    assert result.status == status
+    if not importable:
+        assert "prometheus_client is not importable" in result.detail
+        assert "pip install prometheus_client" in result.fix
 
 
 def test_native_backend_choice_warns():

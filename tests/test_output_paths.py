@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,33 @@ def test_bad_output_path_fails_doctor_naming_the_variable(tmp_path, option, case
     result = doctor.check_options({option: path})
     assert result.status == doctor.FAIL
     assert option in result.detail and reason in result.detail
+
+
+BRACES = {
+    "unknown placeholder": ("out-{foo}.json", "'{foo}' is no placeholder"),
+    "unclosed": ("out-{rank", "'{rank' is no placeholder"),
+    "misspelt": ("out-{Rank}.json", "'{Rank}' is no placeholder"),
+    "lone closing brace": ("out-{rank}}.json", "'}' is no placeholder"),
+    "in a directory": ("dp{dp}/out.json", "'{dp}' is no placeholder"),
+}
+
+
+@pytest.mark.parametrize("option", PATH_OPTIONS)
+@pytest.mark.parametrize("case", list(BRACES))
+def test_only_rank_and_dp_rank_are_placeholders_other_braces_are_refused(
+    monkeypatch, tmp_path, option, case
+):
+    """``{foo}`` or ``{rank`` used to be accepted and written literally."""
+    relative, reason = BRACES[case]
+    path = str(tmp_path / relative)
+    monkeypatch.setenv(option, path)
+    pattern = rf"^{option}=.*{re.escape(reason)}.*Fix or unset {option}\.$"
+    with pytest.raises(ConfigError, match=pattern):
+        plugin.register()
+    result = doctor.check_options({option: path})
+    assert result.status == doctor.FAIL and option in result.detail and reason in result.detail
+    assert "only {rank} and {dp_rank} are" in result.detail
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("option", PATH_OPTIONS)

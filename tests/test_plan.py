@@ -6,11 +6,12 @@ import itertools
 import json
 
 import pytest
-from conftest import make_config
+from conftest import FD_VERSIONS, make_config
+from fastdeploy import _stub_version
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.settings import Settings
-from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes
+from fd_cudagraph_plugin.tools.capture_rules import RULES, default_capture_sizes
 from fd_cudagraph_plugin.tools.cli import main
 from fd_cudagraph_plugin.tools.plan import PlanInput, derive_plan, format_ranges
 
@@ -60,13 +61,10 @@ def test_no_decode_size_left_is_an_error_naming_the_fix():
         derive_plan(PlanInput(max_num_seqs=4, capture_sizes=(8, 16)))
 
 
-def test_naive_keeps_token_keys_and_k_without_method_is_noted():
-    naive = derive_plan(PlanInput(max_num_seqs=8, spec_method="naive", num_speculative_tokens=3))
+def test_naive_keeps_token_keys():
+    naive = derive_plan(PlanInput(max_num_seqs=8, spec_method="naive"))
     assert naive.num_speculative_tokens == 0 and naive.real_bsz_to_captured_size == {}
     assert naive.capture_sizes == [8, 4, 2, 1]
-    plain = derive_plan(PlanInput(max_num_seqs=8, num_speculative_tokens=2))
-    assert plain.capture_sizes == [8, 4, 2, 1]
-    assert any("no effect without --spec-method" in note for note in plain.notes)
 
 
 def test_mixed_role_turns_sequence_parallel_moe_off_before_the_filter():
@@ -92,6 +90,7 @@ def test_sequence_parallel_moe_filter_leaves_fastdeploy_map_stale_and_plugin_rep
     # FastDeploy's map was built before the filter: 1 and 2 still name removed graphs.
     assert plan.real_shape_to_captured_size[1] == 1 and plan.real_shape_to_captured_size[2] == 2
     assert plan.stale_padding == [(1, 1, 4), (2, 2, 4)]
+    assert plan.padding[1] == plan.padding[2] == 4  # what the plugin pads to
     assert any("removes decode sizes 1, 2 and prefill sizes 1, 2" in note for note in plan.notes)
     assert plan.capture_sizes_prefill[-1] == 4  # the prefill list is filtered too
 
@@ -110,18 +109,25 @@ def test_sequence_parallel_moe_is_disabled_when_seqs_below_tp():
 
 
 MODE_CASES = [
-    # (graph_opt_level, full_cuda_graph, only_prefill) -> (decode graphs, prefill graphs)
-    ((0, True, False), (5, 0)),
-    ((1, True, False), (5, 0)),
-    ((1, False, False), (5, 4)),
-    ((0, True, True), (0, 5)),
-    ((1, True, True), (0, 5)),
-    ((1, False, True), (0, 4)),
+    # (graph_opt_level, full_cuda_graph, only_prefill) -> (decode graphs, prefill graphs) on 2.5+
+    # and on 2.4, which has no static split mode, routes cudagraph_only_prefill steps to the
+    # backend and captures them at the decode sizes.
+    ((0, True, False), (5, 0), (5, 0)),
+    ((1, True, False), (5, 0), (5, 0)),
+    ((1, False, False), (5, 4), (5, 0)),
+    ((0, True, True), (0, 0), (0, 5)),
+    ((1, True, True), (0, 0), (0, 5)),
+    ((1, False, True), (0, 4), (0, 5)),
 ]
 
 
-@pytest.mark.parametrize(("mode", "graphs"), MODE_CASES, ids=[str(m) for m, _ in MODE_CASES])
-def test_graphs_per_backend_follow_the_execution_mode(mode, graphs):
+@pytest.mark.parametrize("release", FD_VERSIONS)
+@pytest.mark.parametrize(
+    ("mode", "graphs", "graphs_2_4"), MODE_CASES, ids=[str(m) for m, _, _ in MODE_CASES]
+)
+def test_graphs_per_backend_follow_the_execution_mode_and_release(
+    mode, graphs, graphs_2_4, release
+):
     level, full, only_prefill = mode
     plan = derive_plan(
         PlanInput(
@@ -130,17 +136,64 @@ def test_graphs_per_backend_follow_the_execution_mode(mode, graphs):
             full_cuda_graph=full,
             only_prefill=only_prefill,
             capture_sizes=(1, 2, 4, 8, 16),
-            capture_sizes_prefill=(1, 2, 4, 8),
+            capture_sizes_prefill=(1, 2, 4, 8) if release != "2.4" else None,
+            fastdeploy_version=release,
         )
     )
     (backend,) = plan.backends
-    assert (backend.decode_graphs, backend.prefill_graphs) == graphs
+    expected = graphs_2_4 if release == "2.4" else graphs
+    assert (backend.decode_graphs, backend.prefill_graphs) == expected
     if only_prefill:
         assert backend.decode.startswith("eager")
+    elif release == "2.4" and level:
+        assert backend.decode.startswith("Paddle-managed static graphs")
     elif level and full:
         assert "FastDeploy's own backend runs these eagerly" in backend.decode
     else:
         assert backend.decode.startswith("plugin CUDA graphs")
+
+
+@pytest.mark.parametrize(
+    ("release", "graphs"), [("2.4", 35), ("2.5", 0), ("2.6", 0), ("develop", 0)]
+)
+def test_only_prefill_in_dynamic_mode_captures_only_where_the_release_routes_prefill(
+    release, graphs, capsys
+):
+    """From 2.5 GraphOptBackend sends prefill steps to the backend only in static split mode,
+    so dynamic cudagraph_only_prefill captures nothing; 2.4 routes the prefill-only steps its
+    runner flags and captures one graph per decode size (512 with cudagraph_only_prefill)."""
+    argv = ["plan", "--only-prefill", "--max-num-seqs", "16", "--fastdeploy-version", release]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"target model: {graphs} graphs (0 decode, {graphs} prefill)" in out
+    assert f"total graphs: {graphs}" in out
+
+
+@pytest.mark.parametrize(
+    ("release", "graphs"), [("2.4", 34), ("2.5", 27), ("2.6", 27), ("develop", 54)]
+)
+def test_mtp_at_256_seqs_counts_the_releases_draft_default(release, graphs, capsys):
+    """The MTP draft has graphs by default only on develop. 2.5 and later scale the 27 automatic
+    sizes by k + 1; 2.4 scales only the cap (512 tokens: 35 sizes) and its MTP capture loop never
+    captures size 1, so its target captures 34."""
+    argv = ["plan", "--max-num-seqs", "256", "--spec-method", "mtp"]
+    assert main([*argv, "--fastdeploy-version", release]) == 0
+    out = capsys.readouterr().out
+    assert f"total graphs: {graphs}" in out
+    assert ("MTP draft model:" in out) == (release == "develop")
+
+
+@pytest.mark.parametrize("release", FD_VERSIONS)
+def test_max_num_seqs_is_capped_as_the_release_checks_it(release, capsys):
+    cap = RULES[release].max_num_seqs
+    assert cap == (256 if release in ("2.4", "2.5") else 512)
+    base = ["plan", "--fastdeploy-version", release, "--max-num-seqs"]
+    assert main([*base, str(cap)]) == 0
+    capsys.readouterr()
+    assert main([*base, str(cap + 1)]) == 2
+    assert (
+        f"--max-num-seqs must be at most {cap} on FastDeploy {release}" in capsys.readouterr().err
+    )
 
 
 def test_default_prefill_list_keeps_512_twice_and_counts_one_graph():
@@ -182,20 +235,33 @@ def test_format_ranges_groups_runs_of_the_same_size():
 
 GRID = list(
     itertools.product(
-        # FastDeploy refuses max_num_seqs > 512 and k outside 1..5 (test_fastdeploy_limits_...).
+        # FastDeploy refuses max_num_seqs above its release's cap and k outside 1..5.
         [1, 3, 8, 100, 128, 256, 300, 512],  # max_num_seqs
-        [None, ("mtp", 1), ("mtp", 2), ("mtp", 5), ("ngram", 3), ("suffix", 1), ("naive", 2)],
+        [None, ("mtp", 1), ("mtp", 2), ("mtp", 5), ("ngram", 3), ("suffix", 1), ("naive", None)],
         [(1, False), (2, True), (3, True), (4, True), (4, False)],  # (tp, sequence-parallel MoE)
         [None, (1, 2, 4, 8, 16, 32), (3, 5, 6, 12, 100, 600), (256,)],  # cudagraph_capture_sizes
         [False, True],  # cudagraph_only_prefill
+        ["mixed", "decode"],  # splitwise_role
     )
 )
 
 
 def _compare_with_stand_in(
-    seqs, spec, parallel, sizes, only_prefill, prefill_sizes=None, prefill_cap=512
+    release,
+    seqs,
+    spec,
+    parallel,
+    sizes,
+    only_prefill,
+    role="mixed",
+    prefill_sizes=None,
+    prefill_cap=512,
+    use_fastdeploy=False,
 ) -> list[str]:
-    """What differs between the plan and the stand-in ``FDConfig`` for one setting."""
+    """What differs between the plan and the stand-in ``FDConfig`` of ``release`` for one
+    setting: by default the project's copy of the rules; with ``use_fastdeploy`` the plan
+    computed by the stand-in itself."""
+    _stub_version.use(release)
     tp, sp_moe = parallel
     method, k = spec or (None, None)
     graph = {"cudagraph_only_prefill": only_prefill, "max_capture_shape_prefill": prefill_cap}
@@ -213,61 +279,97 @@ def _compare_with_stand_in(
         capture_sizes=sizes,
         capture_sizes_prefill=prefill_sizes,
         max_capture_shape_prefill=prefill_cap,
+        splitwise_role=role,
+        fastdeploy_version=release,
     )
+    rules = RULES[release]
+    if seqs > rules.max_num_seqs or (method and method not in rules.spec_methods):
+        # FDConfig.check (skipped in test mode) and SpeculativeConfig's method list refuse it.
+        with pytest.raises(ConfigError, match=r"at most|has no such method"):
+            derive_plan(inputs, use_fastdeploy=use_fastdeploy)
+        return []
+    speculative = {"method": method} if spec else None
+    if k is not None:
+        speculative["num_speculative_tokens"] = k
     try:
         config = make_config(
             seqs,
-            speculative={"method": method, "num_speculative_tokens": k} if spec else None,
+            speculative=speculative,
             tp=tp,
             sequence_parallel_moe=sp_moe,
+            splitwise_role=role,
             **graph,
         )
-        theirs = config.graph_opt_config
-        theirs_sizes = theirs.cudagraph_capture_sizes
+    except AssertionError:  # 2.4 and 2.5: an odd max_num_seqs x (k + 1) under MTP
+        with pytest.raises(ConfigError, match="even"):
+            derive_plan(inputs, use_fastdeploy=use_fastdeploy)
+        return []
     except ValueError:
         # The stand-in cannot build its map from an empty list (FastDeploy builds {0: 0} and fails
         # at the first model call instead). Either way no decode size is left.
-        theirs_sizes = []
-    if not theirs_sizes:
+        config = None
+    theirs = config.graph_opt_config if config else None
+    if theirs is None or not theirs.cudagraph_capture_sizes:
         with pytest.raises(ConfigError, match="no decode capture size is left"):
-            derive_plan(inputs)
+            derive_plan(inputs, use_fastdeploy=use_fastdeploy)
         return []
-    plan = derive_plan(inputs)
-    settings = Settings.from_fd_config(config)
+    plan = derive_plan(inputs, use_fastdeploy=use_fastdeploy)
+    settings = Settings.from_fd_config(config, fastdeploy_2_4=release == "2.4")
     checks = {
-        "cudagraph_capture_sizes": plan.capture_sizes == theirs_sizes,
+        "source": plan.from_fastdeploy == use_fastdeploy,
+        "cudagraph_capture_sizes": plan.capture_sizes == theirs.cudagraph_capture_sizes,
         "cudagraph_capture_sizes_prefill": (
-            plan.capture_sizes_prefill == theirs.cudagraph_capture_sizes_prefill
+            plan.capture_sizes_prefill == getattr(theirs, "cudagraph_capture_sizes_prefill", None)
         ),
         "real_shape_to_captured_size": (
             plan.real_shape_to_captured_size == theirs.real_shape_to_captured_size
         ),
         "real_shape_to_captured_size_prefill": (
-            plan.real_shape_to_captured_size_prefill == theirs.real_shape_to_captured_size_prefill
+            plan.real_shape_to_captured_size_prefill
+            == (getattr(theirs, "real_shape_to_captured_size_prefill", None) or {})
         ),
         "real_bsz_to_captured_size": (
-            plan.real_bsz_to_captured_size == theirs.real_bsz_to_captured_size
+            plan.real_bsz_to_captured_size
+            == (getattr(theirs, "real_bsz_to_captured_size", None) or {})
         ),
-        # The plugin's own settings, read from that config, capture exactly the plan's list.
+        "use_cudagraph": plan.use_cudagraph == theirs.use_cudagraph,
+        "draft_model_use_cudagraph": (
+            plan.draft_model_use_cudagraph == theirs.draft_model_use_cudagraph
+        ),
+        # The plugin's own settings, read from that config, capture exactly the plan's list and
+        # pad exactly as the plan prints.
         "Settings.capture_sizes": list(settings.capture_sizes) == plan.capture_sizes,
+        "Settings.decode_table": dict(enumerate(settings.decode_table)) == plan.padding,
+        "no drift note": not any("differs from the installed" in n for n in plan.notes),
     }
     return [name for name, same in checks.items() if not same]
 
 
-def _differences(cases) -> dict:
-    found = {case: _compare_with_stand_in(*case) for case in cases}
+def _differences(cases, **kwargs) -> dict:
+    found = {case: _compare_with_stand_in(*case, **kwargs) for case in cases}
     return {case: names for case, names in found.items() if names}
 
 
-def test_plan_matches_stand_in_fastdeploy_config_over_a_grid():
-    """The stand-in ``FDConfig`` was written independently from the same documentation."""
-    differences = _differences(GRID)
+@pytest.mark.parametrize("release", FD_VERSIONS)
+def test_the_copy_of_the_rules_matches_the_stand_in_over_a_grid(release):
+    """The project's copy, for every release, against the stand-in's ``FDConfig`` of that release
+    (written independently from FastDeploy's branches)."""
+    differences = _differences([(release, *case) for case in GRID])
+    assert not differences, f"{len(differences)} differ, e.g. {list(differences.items())[:3]}"
+
+
+@pytest.mark.parametrize("release", FD_VERSIONS)
+def test_with_fastdeploy_importable_its_own_fdconfig_computes_the_plan(release):
+    """The stand-in is importable here: the plan comes from its FDConfig, for every release."""
+    cases = [(release, *case) for case in GRID[::7]]
+    differences = _differences(cases, use_fastdeploy=True)
     assert not differences, f"{len(differences)} differ, e.g. {list(differences.items())[:3]}"
 
 
 PREFILL_GRID = [
-    (seqs, None, (1, False), sizes, only_prefill, prefill_sizes, prefill_cap)
-    for seqs, sizes, prefill_sizes, prefill_cap, only_prefill in itertools.product(
+    (release, seqs, None, (1, False), sizes, only_prefill, "mixed", prefill_sizes, prefill_cap)
+    for release, seqs, sizes, prefill_sizes, prefill_cap, only_prefill in itertools.product(
+        FD_VERSIONS,
         [8, 128],  # max_num_seqs
         [None, (1, 2, 4)],  # cudagraph_capture_sizes
         [None, (1, 16, 64, 700)],  # cudagraph_capture_sizes_prefill
@@ -280,6 +382,17 @@ PREFILL_GRID = [
 def test_plan_prefill_lists_match_stand_in_fastdeploy_config():
     differences = _differences(PREFILL_GRID)
     assert not differences, f"{len(differences)} differ, e.g. {list(differences.items())[:3]}"
+
+
+@pytest.mark.parametrize("fd_version", ["2.4", "develop"], indirect=True)
+def test_default_release_is_the_installed_fastdeploys(fd_version):
+    plan = derive_plan(PlanInput(max_num_seqs=8))
+    assert plan.release == fd_version and plan.from_fastdeploy
+    assert plan.rules.startswith(f"FastDeploy {fd_version} rules, computed by the installed")
+    other = "develop" if fd_version == "2.4" else "2.4"
+    copy = derive_plan(PlanInput(max_num_seqs=8, fastdeploy_version=other))
+    assert copy.release == other and not copy.from_fastdeploy
+    assert f"follows {fd_version}'s rules" in copy.rules
 
 
 # --------------------------------------------------------------- command line
@@ -315,7 +428,7 @@ def test_cli_plan_text_names_modes_and_graph_counts(capsys):
         (["--max-capture-shape-prefill", "0"], "--max-capture-shape-prefill must be"),
         (["--spec-method", "mtp", "--num-speculative-tokens", "0"], "must be an integer in 1..5"),
         (["--spec-method", "ngram", "--num-speculative-tokens", "100000000"], "in 1..5"),
-        (["--max-num-seqs", "513"], "--max-num-seqs must be at most 512; got 513"),
+        (["--max-num-seqs", "513"], "--max-num-seqs must be at most 512 on FastDeploy develop"),
         (["--max-capture-shape-prefill", "1000000000"], "--max-capture-shape-prefill must be at"),
         (["--max-num-seqs", "2", "--capture-sizes", "4,8"], "no decode capture size is left"),
     ],
@@ -323,6 +436,83 @@ def test_cli_plan_text_names_modes_and_graph_counts(capsys):
 def test_cli_plan_bad_setting_exits_2_naming_it(argv, message, capsys):
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+ROUGH_EDGES = [
+    # k without a method used to print speculative=none without a word.
+    (["--num-speculative-tokens", "2"], "--num-speculative-tokens 2 needs --spec-method"),
+    # naive used to print k=0 for k=3 silently.
+    (
+        ["--spec-method", "naive", "--num-speculative-tokens", "3"],
+        "FastDeploy's NAIVE has no draft tokens",
+    ),
+    # A tensor-parallel size of 10^11 used to be accepted.
+    (["--tensor-parallel-size", "100000000000"], "--tensor-parallel-size must be at most 512"),
+    (
+        ["--spec-method", "suffix", "--fastdeploy-version", "2.4"],
+        "FastDeploy 2.4 has no such method",
+    ),
+    (
+        "--max-num-seqs 3 --spec-method mtp --num-speculative-tokens 2 --fastdeploy-version 2.5",
+        "FastDeploy 2.5 asserts max_num_seqs x (k + 1) is even",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ROUGH_EDGES, ids=[m for _, m in ROUGH_EDGES])
+def test_settings_fastdeploy_would_ignore_or_refuse_exit_2_naming_the_flag(argv, message, capsys):
+    argv = argv.split() if isinstance(argv, str) else argv
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--capture-sizes", "-1,2"], "--capture-sizes: sizes must be positive integers"),
+        (["plan", "--capture-sizes-prefill", "-8"], "--capture-sizes-prefill: sizes must be"),
+        (["demo", "--sizes", "-4,8"], "--sizes: sizes must be positive integers"),
+        (["plan", "--max-num-seqs", "-5"], "--max-num-seqs must be an integer >= 1; got -5"),
+    ],
+)
+def test_a_negative_value_is_checked_as_a_value_not_taken_for_an_option(argv, message, capsys):
+    """``--capture-sizes -1,2`` used to say "expected one argument"."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "expected one argument" not in err
+
+
+@pytest.mark.parametrize(
+    ("release", "role"),
+    [("2.4", "mixed"), ("2.4", "decode"), ("2.6", "decode"), ("develop", "decode")],
+)
+def test_the_printed_map_is_the_one_the_plugin_pads_with_after_the_tp_filter(release, role, capsys):
+    """With sequence-parallel MoE and TP 3 FastDeploy keeps [24] of [24, 16, 8, 4, 2, 1] but its
+    map still sends 1 token to a graph of size 1; the plan prints what the plugin uses."""
+    argv = ["plan", "--max-num-seqs", "24", "--tensor-parallel-size", "3"]
+    argv += ["--sequence-parallel-moe", "--splitwise-role", role, "--fastdeploy-version", release]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cudagraph_capture_sizes (1): 24\n" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("real_shape_to_captured_size")]
+    assert line.endswith(": 0->0, 1-24->24") and "FastDeploy's own is stale" in line
+    assert "still maps 16 token counts to removed sizes 1, 2, 4, 8, 16" in out
+    plan = derive_plan(
+        PlanInput(
+            24,
+            tensor_parallel_size=3,
+            sequence_parallel_moe=True,
+            splitwise_role=role,
+            fastdeploy_version=release,
+        )
+    )
+    assert plan.real_shape_to_captured_size[1] == 1  # FastDeploy's own, in --json
+    assert set(plan.padding.values()) == {0, 24}
 
 
 def test_unknown_splitwise_role_is_a_usage_error(capsys):
@@ -336,7 +526,15 @@ def test_prefill_node_without_only_prefill_captures_nothing():
     plan = derive_plan(PlanInput(max_num_seqs=8, splitwise_role="prefill"))
     assert not plan.use_cudagraph and plan.total_graphs == 0
     assert any("--only-prefill" in note for note in plan.notes)
-    graphed = derive_plan(PlanInput(max_num_seqs=8, splitwise_role="prefill", only_prefill=True))
+    graphed = derive_plan(
+        PlanInput(
+            max_num_seqs=8,
+            splitwise_role="prefill",
+            only_prefill=True,
+            graph_opt_level=1,
+            full_cuda_graph=False,
+        )
+    )
     assert graphed.use_cudagraph and graphed.total_graphs > 0
 
 

@@ -173,7 +173,7 @@ MALFORMED = [
     (f'{{"format": "{STATS_FORMAT}", "time": 1.0, "rank": 0, "backend": "0x1"}}', "missing"),
     (_stats_line(-1, "0x1", {1: 1}), '"rank" must be an integer >= 0'),
     (_stats_line(0, "not-hex", {1: 1}), '"backend" must be a hex id'),
-    (_stats_line(0, "0x1", {1: -2}), "must be a step count >= 0"),
+    (_stats_line(0, "0x1", {1: -2}), "must be a step count in 0.."),
     (_stats_line(0, "0x1", {1: 1}).replace('"1": 1', '"one": 1'), "is not a token count"),
     (_stats_line(0, "0x1", {1: 1}).replace("1767225600.5", '"now"'), '"time" must be a unix'),
     (_stats_line(0, "0x1", {1: 1}).replace('{"1": 1}', "[1]"), "must be an object"),
@@ -278,9 +278,84 @@ def test_counts_above_any_graph_are_tallied_not_stored(tmp_path):
     assert dict(histogram) == {3: 1, 600: 1}
     assert histogram.beyond == len(range(4000, 200_000, 7))
     result = tune(histogram, max_graphs=4)
-    assert result.max_size == 512 and result.capture_sizes == [512, 3]
+    assert result.max_size == 3 and result.capture_sizes == [3]
     assert result.eager_above_max == histogram.beyond + 1
-    assert result.baseline_capture_sizes == default_capture_sizes(512)
+    assert result.baseline_capture_sizes == default_capture_sizes(3)
+
+
+MEMORY_REPORT = {
+    "format": "fd-cudagraph-memory/1",
+    "phase": "decode",
+    "rank": 0,
+    "graphs": 2,
+    "captures": [],
+}
+
+TRUTHS = [
+    # (trace, flags, exit code, what must be printed, what must not)
+    ("", [], 2, "no decode step with 1 to 512 tokens", "3072"),
+    ("", ["--fastdeploy-version", "2.5"], 2, "no decode step with 1 to 256 tokens", "3072"),
+    ("3\n5\n17\n", [], 0, "decode steps: 3 with 3..17 tokens", "1..17"),
+    ("3\n600\n700\n", [], 0, "tuned   (1 graph): 3\n", "512, 3"),
+    ("600\n", [], 2, "every decode step in the trace has more than 512 tokens", "--max-size"),
+    (
+        _stats_line(0, "0x1", {3: 10**29}) + "\n",
+        [],
+        2,
+        f"\"decode_token_counts\"['3'] must be a step count in 0..{2**53 - 1}",
+        "decode steps",
+    ),
+    (
+        json.dumps(MEMORY_REPORT, indent=1) + "\n",
+        [],
+        2,
+        "is a graph-memory report (what FD_CUDAGRAPH_MEMORY_REPORT writes",
+        "not valid JSON",
+    ),
+    (
+        json.dumps(MEMORY_REPORT) + "\n",
+        [],
+        2,
+        f"this is a graph-memory report (what FD_CUDAGRAPH_MEMORY_REPORT writes after each "
+        f"capture session), not a trace; tune reads decode traces: one decode token count per "
+        f"line, or the {STATS_FORMAT} JSON lines FD_CUDAGRAPH_STATS_FILE writes.",
+        "not valid JSON",
+    ),
+    ('{"time": 1}\n', [], 2, 'no "format" key', "is None"),
+    ('{"format": "x", "decode_token_counts": {"3": "ab\n', [], 2, "starting at column", "at at"),
+]
+
+
+@pytest.mark.parametrize(
+    ("trace", "flags", "code", "says", "never"), TRUTHS, ids=[t[3][:40] for t in TRUTHS]
+)
+def test_tune_output_tells_the_truth_about_the_trace(
+    trace, flags, code, says, never, tmp_path, capsys
+):
+    path = tmp_path / "trace"
+    path.write_text(trace)
+    assert main(["tune", str(path), "--max-graphs", "2", *flags]) == code
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert says in text and never not in text, text
+
+
+@pytest.mark.parametrize(("release", "cap"), [("2.4", 256), ("2.5", 256), ("2.6", 512)])
+def test_the_largest_size_is_bounded_by_the_releases_max_num_seqs(release, cap):
+    with pytest.raises(ConfigError, match=rf"--max-size must be an integer in 1\.\.{cap} "):
+        tune({1: 1}, max_graphs=1, max_size=cap + 1, fastdeploy_version=release)
+    result = tune({1: 1, cap + 1: 5}, max_graphs=2, fastdeploy_version=release)
+    assert result.capture_sizes == [1] and result.eager_above_max == 5
+
+
+def test_speculative_sizes_are_tokens_on_2_5_and_refused_on_2_4():
+    """2.5 takes user sizes in tokens and maps running requests to int(size / (k + 1)); 2.4
+    builds no running-request map at all."""
+    result = tune({1: 4, 3: 2}, 2, num_speculative_tokens=1, fastdeploy_version="2.5")
+    assert result.capture_sizes == [3, 1]
+    assert result.graph_optimization_config == {"cudagraph_capture_sizes": [6, 2]}
+    with pytest.raises(ConfigError, match=r"FastDeploy 2\.4 builds no real_bsz_to_captured_size"):
+        tune({1: 4}, 1, num_speculative_tokens=1, fastdeploy_version="2.4")
 
 
 def test_default_baseline_is_fastdeploys_list_for_the_observed_maximum():

@@ -99,7 +99,22 @@ def _path(text: str) -> str:
     Checked as rank 0's path: the directory may be missing (it is created at the first write) as
     long as its nearest existing ancestor is a directory we can create files in. A probe file
     is created and removed there because ``os.access`` says yes to root even on ``/proc``.
+    Braces are for the placeholders only: ``{foo}`` or a lone ``{rank`` would be written
+    literally, never what was meant (a misspelt placeholder), so any other brace is refused.
     """
+    rest = text
+    for placeholder in PATH_PLACEHOLDERS:
+        rest = rest.replace(placeholder, "")
+    braces = [i for i, char in enumerate(rest) if char in "{}"]
+    if braces:
+        # Quote the stray piece: from the brace to the next closing brace or path separator.
+        start = braces[0]
+        ends = [i for i in (rest.find("}", start), rest.find(os.sep, start)) if i >= start]
+        stray = rest[start : min(ends) + 1 if ends else len(rest)].rstrip(os.sep)
+        raise ValueError(
+            f"{stray!r} is no placeholder: only {' and '.join(PATH_PLACEHOLDERS)} are, and no "
+            "other brace may appear in the path"
+        )
     path = os.path.expanduser(text)
     probe = path
     for placeholder in PATH_PLACEHOLDERS:

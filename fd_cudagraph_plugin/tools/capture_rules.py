@@ -1,47 +1,159 @@
-"""FastDeploy's capture-size rules and limits, as ``plan`` and ``tune`` apply them.
+"""FastDeploy's capture-size rules and limits per release: the project's own copy.
 
-Written from FastDeploy's ``fastdeploy/config.py`` (develop ``r3_mm_dev`` and 2.6 ``r3_eos_2.6``)
-so the tools run on any machine, FastDeploy installed or not. See ``plan.py`` for the order in
-which ``FDConfig`` applies them.
+``plan`` and ``tune`` compute capture lists with the installed FastDeploy's own
+``GraphOptimizationConfig`` / ``FDConfig`` when FastDeploy is importable (``plan.py``); this copy is
+what they use without FastDeploy, or for another release than the installed one. It was written
+from ``fastdeploy/config.py`` of the ``gongshaotian/FastDeploy`` branches ``2.4_r3`` (2.4),
+``r3_ban_cpucache_2.5`` (2.5), ``r3_eos_2.6`` (2.6) and ``r3_mm_dev`` (develop), and
+``tests/test_plan.py`` holds it against the test stand-in's ``FDConfig`` for every release.
+
+What differs per release, in ``FDConfig.__init__``, ``init_with_cudagrpah_size`` and
+``postprocess``:
+
+- 2.4: no prefill capture list and no ``real_bsz_to_captured_size``. MTP multiplies only the decode
+  cap by k + 1 (the automatic candidates stay as they are); other methods change nothing.
+- 2.5: MTP and suffix multiply the decode cap by k + 1, without the 512 cap; every speculative
+  method multiplies the automatic candidates (decode and prefill) by k + 1; user-given sizes are
+  tokens, as given. ``real_bsz_to_captured_size`` (MTP, suffix) is built from the untrimmed list.
+- 2.6 and develop: the speculative methods that scale (2.6: MTP, suffix; develop: also ngram)
+  multiply the cap and every decode size by k + 1, user-given sizes included (they count
+  requests); ``real_bsz_to_captured_size`` is built from the trimmed list.
+- Sequence-parallel MoE: 2.4 runs ``filter_capture_size(tp)`` before the mixed and decode roles
+  turn it off, so every role filters; from 2.5 the mixed role turns it off first, so only the
+  prefill and decode roles filter. The padding maps are built before the filter either way.
+- ``FDConfig.check`` caps ``max_num_seqs`` at 256 (2.4, 2.5) or 512 (2.6, develop).
 """
 
 from __future__ import annotations
 
-#: FastDeploy never captures a decode size above this many requests.
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: FastDeploy never captures a decode size above this many requests (``min(512, max_num_seqs)``).
 DECODE_CAP = 512
-#: ``FDConfig.check`` asserts ``max_num_seqs <= 512``.
-MAX_NUM_SEQS = 512
 #: ``SpeculativeConfig.check_legality_parameters`` asserts k in 1..5 for every method but naive.
 MAX_SPECULATIVE_TOKENS = 5
 #: FastDeploy sets no bound on ``max_capture_shape_prefill``, but its prefill padding map holds one
 #: entry per token up to it in every process; past this the plan (which prints that map) refuses
 #: rather than allocate gigabytes. It is 8x the V1 scheduler's default ``max_num_batched_tokens``.
 MAX_PREFILL_SHAPE = 65536
+#: FastDeploy sets no bound on ``tensor_parallel_size`` (one GPU per rank). The plan uses it only
+#: in ``filter_capture_size`` and in ``max_num_seqs < tensor_parallel_size``, and no group of more
+#: ranks than the largest ``max_num_seqs`` changes either, so larger values are refused as typos.
+MAX_TENSOR_PARALLEL_SIZE = 512
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
-#: ``--spec-method`` values FastDeploy accepts; the first three scale the decode sizes.
+#: ``--spec-method`` values; FastDeploy 2.4 and 2.5 call ngram ``ngram_match``.
 SPEC_METHODS = ("mtp", "ngram", "suffix", "naive")
-SCALING_METHODS = ("mtp", "ngram", "suffix")
-#: ``cudagraph_capture_sizes_prefill`` when the decode sizes are given by the user.
+#: ``cudagraph_capture_sizes_prefill`` when the decode sizes are given by the user (2.5+).
 DEFAULT_PREFILL_SIZES = (1, 2, 4, 8)
+#: The releases this copy knows, oldest first; develop is the newest.
+RELEASES = ("2.4", "2.5", "2.6", "develop")
+DEFAULT_RELEASE = "develop"
 
 
-def auto_candidates() -> list[int]:
-    """FastDeploy's ``_set_cudagraph_sizes`` candidates, ascending (the code's ``range(9, 33)``)."""
-    return [1, 2, 4, *(8 * i for i in range(1, 17)), *(16 * i for i in range(9, 17))] + [
-        32 * i for i in range(9, 33)
-    ]
+@dataclass(frozen=True)
+class Release:
+    """What a FastDeploy release does with the capture settings."""
+
+    name: str
+    #: ``FDConfig.check`` asserts ``max_num_seqs <=`` this.
+    max_num_seqs: int
+    #: ``GraphOptimizationConfig.draft_model_use_cudagraph``'s default.
+    draft_model_use_cudagraph: bool
+    #: Methods ``SpeculativeConfig`` accepts (2.4 and 2.5: ``ngram_match`` for ngram).
+    spec_methods: tuple[str, ...]
+    #: Methods whose k scales the decode capture sizes (see the module docstring per release).
+    scaling_methods: tuple[str, ...]
+
+    @property
+    def has_prefill_list(self) -> bool:
+        """``cudagraph_capture_sizes_prefill`` and static split mode exist (2.5+)."""
+        return self.name != "2.4"
+
+    @property
+    def has_bsz_map(self) -> bool:
+        return self.name != "2.4"
+
+    @property
+    def scales_user_sizes(self) -> bool:
+        """User-given decode sizes count requests and are multiplied by k + 1 (2.6+)."""
+        return self.name in ("2.6", "develop")
+
+    @property
+    def filters_before_roles(self) -> bool:
+        """``filter_capture_size`` runs before the mixed role turns sequence-parallel MoE off."""
+        return self.name == "2.4"
+
+    @property
+    def decode_cap(self) -> int:
+        """The largest decode size without speculative scaling: ``min(512, max_num_seqs)``."""
+        return min(DECODE_CAP, self.max_num_seqs)
+
+
+RULES = {
+    "2.4": Release("2.4", 256, False, ("mtp", "ngram"), ("mtp",)),
+    "2.5": Release("2.5", 256, False, ("mtp", "ngram", "suffix"), ("mtp", "suffix")),
+    "2.6": Release("2.6", 512, False, SPEC_METHODS, ("mtp", "suffix")),
+    "develop": Release("develop", 512, True, SPEC_METHODS, ("mtp", "suffix", "ngram")),
+}
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """The settings the capture lists depend on, validated (``plan.derive_plan`` does that).
+
+    ``k`` is ``num_speculative_tokens`` as ``SpeculativeConfig`` leaves it (0 without a method,
+    and for naive).
+    """
+
+    max_num_seqs: int
+    method: str | None
+    k: int
+    tensor_parallel_size: int
+    sequence_parallel_moe: bool
+    graph_opt_level: int
+    full_cuda_graph: bool
+    only_prefill: bool
+    capture_sizes: Sequence[int] | None
+    capture_sizes_prefill: Sequence[int] | None
+    max_capture_shape_prefill: int
+    splitwise_role: str
+    #: None: the release's default.
+    draft_model_use_cudagraph: bool | None = None
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What ``FDConfig`` leaves in ``graph_opt_config`` for one set of settings."""
+
+    capture_sizes: list[int]
+    #: None on 2.4, which has no prefill list.
+    capture_sizes_prefill: list[int] | None
+    real_shape_to_captured_size: dict[int, int]
+    real_shape_to_captured_size_prefill: dict[int, int]
+    real_bsz_to_captured_size: dict[int, int]
+    use_cudagraph: bool
+    #: ``filter_capture_size(tp)`` ran (sequence-parallel MoE kept on with tp > 1).
+    filtered: bool
+
+
+def auto_candidates(per_step: int = 1) -> list[int]:
+    """FastDeploy's ``_set_cudagraph_sizes`` candidates, ascending (the code's ``range(9, 33)``);
+    2.5 multiplies them by ``dec_token_per_query_per_step``."""
+    base = [1, 2, 4, *(8 * i for i in range(1, 17)), *(16 * i for i in range(9, 17))]
+    return [per_step * c for c in [*base, *(32 * i for i in range(9, 33))]]
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
     """The automatic decode list for a cap of ``max_size`` tokens, descending and deduplicated.
 
-    Equal to FastDeploy's derived list for ``max_num_seqs = max_size`` when ``max_size <= 512``
-    and no speculative decoding.
+    Equal to FastDeploy's derived list for ``max_num_seqs = max_size`` when ``max_size`` is within
+    the release's ``max_num_seqs`` limit and no speculative decoding, on every release.
     """
     return sorted({s for s in auto_candidates() if s <= max_size} | {max_size}, reverse=True)
 
 
-def fastdeploy_padding_map(sizes_desc: list[int]) -> dict[int, int]:
+def fastdeploy_padding_map(sizes_desc: Sequence[int]) -> dict[int, int]:
     """``real_shape_to_captured_size`` as FastDeploy builds it from a descending list.
 
     Each descending pair ``(end, start)``, with 0 after the last size, maps ``start`` to itself and
@@ -58,21 +170,117 @@ def fastdeploy_padding_map(sizes_desc: list[int]) -> dict[int, int]:
     return dict(sorted(mapping.items()))
 
 
-def fastdeploy_bsz_map(sizes_desc: list[int], k: int) -> dict[int, int]:
+def fastdeploy_bsz_map(sizes: Sequence[int], k: int) -> dict[int, int]:
     """``real_bsz_to_captured_size``: running requests -> captured token size (k != 0 only).
 
-    Each size c maps ``int(c / (k + 1))`` to c; walking the descending list, the smallest size of
-    a request count is the one kept. Missing counts take the next larger count's size.
+    Each size c, in the order given, maps ``int(c / (k + 1))`` to c (a later size of the same
+    count wins: 2.6+ walk the descending list, so the smallest; 2.5 the ascending untrimmed one).
+    Counts in between take the size of the next larger count (``expand_bsz_map``).
     """
     if k == 0:
         return {}
+    sparse: dict[int, int] = {}
+    for size in sizes:
+        sparse[int(size / (k + 1))] = size
     mapping: dict[int, int] = {}
-    for size in sizes_desc:
-        mapping[int(size / (k + 1))] = size
-    if not mapping:
-        return {}
-    top = max(mapping)
-    larger = mapping[top]
-    for bsz in range(top, 0, -1):
-        larger = mapping.setdefault(bsz, larger)
-    return dict(sorted(mapping.items()))
+    previous = 0
+    for bsz, size in sorted(sparse.items()):
+        for count in range(previous + 1, bsz + 1):
+            mapping[count] = size
+        previous = bsz
+    return mapping
+
+
+def check_even_token_cap(release: Release, method: str | None, k: int, max_num_seqs: int) -> str:
+    """FastDeploy 2.4 (mtp) and 2.5 (mtp, suffix) assert ``max_num_seqs * (k + 1)`` is even."""
+    if release.scales_user_sizes or method not in release.scaling_methods:
+        return ""
+    tokens = max_num_seqs * (k + 1)
+    if tokens % 2 == 0:
+        return ""
+    return (
+        f"FastDeploy {release.name} asserts max_num_seqs x (k + 1) is even for {method} "
+        f'("CUDAGraph only supports capturing even token nums in MTP scenarios"); got '
+        f"{max_num_seqs} x {k + 1} = {tokens}. Use an even --max-num-seqs or an odd "
+        "--num-speculative-tokens."
+    )
+
+
+def derive(release: Release, settings: ServingSettings) -> Derived:
+    """The copy of ``FDConfig``'s derivation for ``release``."""
+    s = settings
+    decode, prefill, bsz = _capture_lists(release, s)
+    shape_map = fastdeploy_padding_map(decode)
+    prefill_map = fastdeploy_padding_map(prefill) if prefill is not None else {}
+
+    # FDConfig.postprocess: the prefill role decides use_cudagraph first.
+    use_cudagraph = s.splitwise_role != "prefill" or s.only_prefill
+    sp_moe = s.sequence_parallel_moe and use_cudagraph
+    if sp_moe and s.splitwise_role == "mixed" and not release.filters_before_roles:
+        sp_moe = False  # _disable_sequence_parallel_moe_if_needed("Mixed"), before the filter
+    tp = s.tensor_parallel_size
+    filtered = False
+    if sp_moe and s.max_num_seqs >= tp:
+        # "It will hang when real batch_size < tp_size"; the maps stay as they were.
+        decode = [size for size in decode if size % tp == 0]
+        if prefill is not None:
+            prefill = [size for size in prefill if size % tp == 0]
+        filtered = tp > 1
+    return Derived(
+        capture_sizes=decode,
+        capture_sizes_prefill=prefill,
+        real_shape_to_captured_size=shape_map,
+        real_shape_to_captured_size_prefill=prefill_map,
+        real_bsz_to_captured_size=bsz,
+        use_cudagraph=use_cudagraph,
+        filtered=filtered,
+    )
+
+
+def _capture_lists(
+    release: Release, s: ServingSettings
+) -> tuple[list[int], list[int] | None, dict[int, int]]:
+    """Decode list, prefill list (None on 2.4) and bsz map, before ``postprocess``."""
+    k, user_decode, user_prefill = s.k, s.capture_sizes, s.capture_sizes_prefill
+    prefill_cap = s.max_capture_shape_prefill
+    scaling = s.method in release.scaling_methods
+    bsz: dict[int, int] = {}
+    if release.scales_user_sizes:  # 2.6, develop: init_with_cudagrpah_size scales
+        cap = DECODE_CAP if s.only_prefill else min(DECODE_CAP, s.max_num_seqs)
+        scale = k + 1 if scaling and k else 1
+        if user_decode is None:
+            decode, prefill = [*auto_candidates(), cap], [*auto_candidates(), prefill_cap]
+        else:
+            decode = list(user_decode)
+            prefill = list(DEFAULT_PREFILL_SIZES if user_prefill is None else user_prefill)
+        decode = sorted({d * scale for d in decode if d * scale <= cap * scale}, reverse=True)
+        if scale > 1:
+            bsz = fastdeploy_bsz_map(decode, k)
+        return decode, _trim_prefill(prefill, prefill_cap), bsz
+
+    cap = s.max_num_seqs * (k + 1) if scaling else s.max_num_seqs
+    if s.only_prefill:
+        cap = DECODE_CAP
+    elif release.name == "2.4":
+        cap = min(DECODE_CAP, cap)
+    # 2.5 caps at 512 only without a SpeculativeConfig, and FastDeploy always builds one.
+    if release.name == "2.4":
+        decode = [*auto_candidates(), cap] if user_decode is None else list(user_decode)
+        return sorted({d for d in decode if d <= cap}, reverse=True), None, {}
+    per_step = k + 1 if s.method is not None else 1  # dec_token_per_query_per_step
+    if user_decode is None:
+        decode = sorted([*auto_candidates(per_step), cap])
+        prefill = [*auto_candidates(per_step), prefill_cap]
+    else:
+        decode = list(user_decode)
+        prefill = list(DEFAULT_PREFILL_SIZES if user_prefill is None else user_prefill)
+    if scaling:
+        bsz = fastdeploy_bsz_map(decode, k)  # from the untrimmed list, in its order
+    decode = sorted({d for d in decode if d <= cap}, reverse=True)
+    return decode, _trim_prefill(prefill, prefill_cap), bsz
+
+
+def _trim_prefill(prefill: list[int], cap: int) -> list[int]:
+    """Sizes up to the cap, descending, and not deduplicated (FastDeploy's default holds 512
+    twice)."""
+    return sorted((s for s in prefill if s <= cap), reverse=True)

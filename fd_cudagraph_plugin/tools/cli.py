@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import re
+import signal
 import sys
+from collections.abc import Iterator
 
 from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
-from fd_cudagraph_plugin.tools.capture_rules import SPEC_METHODS, SPLITWISE_ROLES
+from fd_cudagraph_plugin.tools.capture_rules import RELEASES, SPEC_METHODS, SPLITWISE_ROLES
 
 DESCRIPTION = (
     "fd-cudagraph (also python -m fd_cudagraph_plugin): plan, tune and check the CUDA-graph "
@@ -39,23 +43,62 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+class _Interrupts:
+    """Ctrl-C seen during this command, even where a library swallowed the KeyboardInterrupt.
+
+    Paddle's import runs bare ``except:`` clauses (``paddle/base/core.py``): an interrupt there
+    is swallowed and can surface later as an ImportError, which must not read as "no Paddle".
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        self.seen = False
+        try:
+            previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave signals alone
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C came, so no output claims what did not happen."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+_INTERRUPTS = _Interrupts()
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         import paddle  # noqa: F401
     except ImportError:
+        _INTERRUPTS.check()
         print(
-            "fd-cudagraph demo needs Paddle. On a fresh machine: "
-            "pip install 'fd-cudagraph-plugin[demo]' (CPU Paddle); on a GPU machine keep your "
-            "paddlepaddle-gpu.",
+            "fd-cudagraph demo needs Paddle. Install the CPU wheel with pip install "
+            "paddlepaddle==3.3.1 (what a checkout's demo extra installs: pip install "
+            "'/path/to/fd-cudagraph-plugin[demo]'); on a GPU machine keep your paddlepaddle-gpu.",
             file=sys.stderr,
         )
         return 2
+    _INTERRUPTS.check()
     from fd_cudagraph_plugin.tools.demo import format_report, run_demo
 
     # The demo prints the capture summary and the stats table itself; keep warnings only.
     logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
 
     report = run_demo(sizes=args.sizes, steps=args.steps, seed=args.seed, runtime_name=args.runtime)
+    _INTERRUPTS.check()
     print(format_report(report))
     return 0 if report.mismatches == 0 else 1
 
@@ -86,8 +129,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ),
             splitwise_role=args.splitwise_role,
             draft_model_use_cudagraph=args.draft_model_use_cudagraph,
+            fastdeploy_version=args.fastdeploy_version,
         )
     )
+    _INTERRUPTS.check()
     print(_json(plan.to_json()) if args.json else format_plan(plan))
     return 0
 
@@ -99,8 +144,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.trace.count("-") > 1:
         raise ConfigError("standard input (-) can be given once among the trace files.")
     result = tune(
-        read_histogram(args.trace), args.max_graphs, args.max_size, args.num_speculative_tokens
+        read_histogram(args.trace),
+        args.max_graphs,
+        args.max_size,
+        args.num_speculative_tokens,
+        fastdeploy_version=args.fastdeploy_version,
     )
+    _INTERRUPTS.check()
     print(_json(result.to_json()) if args.json else format_result(result))
     return 0
 
@@ -109,6 +159,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from fd_cudagraph_plugin.tools.doctor import exit_code, format_results, run_checks
 
     results = run_checks()
+    _INTERRUPTS.check()
     if args.json:
         document = {
             "checks": [
@@ -128,7 +179,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="print the capture sizes and padding maps FastDeploy derives for these settings",
         description="The capture sizes, padding maps and graphs per backend that FastDeploy "
-        "derives for these serving settings (its GraphOptimizationConfig rules).",
+        "derives for these serving settings: computed by the installed FastDeploy's own FDConfig "
+        "when it is the release asked for, else by the project's copy of that release's rules.",
     )
     plan.add_argument(
         "--max-num-seqs", type=int, default=8, help="default 8, FastDeploy's CLI default"
@@ -140,7 +192,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="draft tokens k (default 1 with --spec-method, FastDeploy's default)",
     )
-    plan.add_argument("--tensor-parallel-size", type=int, default=1)
+    plan.add_argument("--tensor-parallel-size", type=int, default=1, help="default 1")
     plan.add_argument(
         "--sequence-parallel-moe",
         action="store_true",
@@ -153,7 +205,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="full_cuda_graph (default true); --no-full-cuda-graph with level >= 1 is static split",
     )
-    plan.add_argument("--max-capture-shape-prefill", type=int, default=512)
+    plan.add_argument(
+        "--max-capture-shape-prefill", type=int, default=None, help="default 512 (2.5 and later)"
+    )
     plan.add_argument("--only-prefill", action="store_true", help="cudagraph_only_prefill")
     plan.add_argument(
         "--capture-sizes", type=_sizes, default=None, help="cudagraph_capture_sizes, e.g. 1,2,4,8"
@@ -173,9 +227,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--draft-model-use-cudagraph",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="draft_model_use_cudagraph for MTP (default true as in develop; 2.6 defaults false)",
+        default=None,
+        help="draft_model_use_cudagraph for MTP (default: the release's, false on 2.4 .. 2.6 and "
+        "true on develop)",
     )
+    _add_release(plan)
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(run=_cmd_plan)
 
@@ -208,8 +264,19 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help="largest capture size (default: largest observed count); steps above it run "
         "eagerly and are left out",
     )
+    _add_release(tune)
     tune.add_argument("--json", action="store_true", help="print JSON")
     tune.set_defaults(run=_cmd_tune)
+
+
+def _add_release(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fastdeploy-version",
+        choices=RELEASES,
+        default=None,
+        help="apply this FastDeploy release's rules (default: the installed FastDeploy's, else "
+        "develop); the installed FastDeploy computes them when it is that release",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +310,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: A value that begins with a minus and a digit (``-1,2``): argparse takes it for an option
+#: (it is no plain negative number) and says "expected one argument" instead of checking it.
+_NEGATIVE_VALUE = re.compile(r"-\d")
+
+
+def _attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--capture-sizes -1,2`` -> ``--capture-sizes=-1,2``, so the value gets its own error."""
+    takes_value = set()
+    parsers = [parser]
+    while parsers:
+        current = parsers.pop()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings and action.nargs != 0:
+                takes_value.update(action.option_strings)
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else ""
+        if word in takes_value and _NEGATIVE_VALUE.match(following):
+            joined.append(f"{word}={following}")
+            index += 2
+        else:
+            joined.append(word)
+            index += 1
+    return joined
+
+
 def _drop_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush cannot fail a second time."""
     try:
@@ -254,18 +351,34 @@ def _drop_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; exit 2 on bad input, 130 on Ctrl-C, 1 when stdout cannot be written."""
+    """Run one command; exit 2 on bad input (a closed stdout included), 130 on Ctrl-C, 1 when
+    stdout cannot be written."""
+    if sys.stdout is None:
+        # Started with standard output closed (`>&-`): Python has no stdout object, so every
+        # print would vanish; and a file this command opens could take descriptor 1.
+        if sys.stderr is not None:
+            print(
+                "fd-cudagraph: standard output is closed; nothing to write the result to. "
+                "Redirect it to a file or /dev/null instead.",
+                file=sys.stderr,
+            )
+        return 2
     try:
-        args = build_parser().parse_args(argv)
-        try:
-            code = args.run(args)
-        except CudaGraphPluginError as error:
-            print(f"fd-cudagraph: {error}", file=sys.stderr)
-            return 2
-        # A full disk or a closed pipe shows up at the flush; make it happen here, inside the
-        # handlers, not at interpreter exit.
-        sys.stdout.flush()
-        return code
+        with _INTERRUPTS.watching():
+            parser = build_parser()
+            args = parser.parse_args(
+                _attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv))
+            )
+            try:
+                code = args.run(args)
+            except CudaGraphPluginError as error:
+                _INTERRUPTS.check()
+                print(f"fd-cudagraph: {error}", file=sys.stderr)
+                return 2
+            # A full disk or a closed pipe shows up at the flush; make it happen here, inside
+            # the handlers, not at interpreter exit.
+            sys.stdout.flush()
+            return code
     except KeyboardInterrupt:
         print("fd-cudagraph: interrupted", file=sys.stderr)
         return 130

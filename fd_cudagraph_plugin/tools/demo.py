@@ -232,12 +232,18 @@ def format_report(report: DemoReport) -> str:
         )
     stats = report.stats
     lines.append(report.capture_summary)
-    lines.append(format_table(stats, f"served {report.steps} decode steps"))
-    fallbacks = sum(stats["eager_fallbacks"].values()) + report.eager_above_max
+    # Every figure is of served steps: the captures ran in a capture session, and the backend
+    # counts those runs apart (stats()["capture_time"]).
+    replays = sum(stats["replays"].values())
+    in_backend = sum(stats["eager_fallbacks"].values())
+    reasons = ", ".join(f"{why} {n}" for why, n in sorted(stats["eager_fallbacks"].items()))
     lines.append(
-        f"eager fallbacks {fallbacks} (above the largest size, routed by GraphOptBackend: "
-        f"{report.eager_above_max}; in the backend: {stats['eager_fallbacks'] or 0})"
+        f"served {report.steps} decode steps: {replays} replayed a graph, "
+        f"{report.eager_above_max + in_backend} ran eagerly ({report.eager_above_max} above the "
+        f"largest size, {report.sizes[0]} tokens, which GraphOptBackend runs eagerly before the "
+        f"backend; {in_backend} in the backend{f': {reasons}' if reasons else ''})"
     )
+    lines.append(format_table(stats, f"the backend, which saw {replays + in_backend} of them"))
     if report.real_graphs:
         lines.append(
             f"step time: graph {report.graph_seconds / max(report.steps, 1) * 1e3:.3f} ms, "

@@ -14,10 +14,11 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from fd_cudagraph_plugin import __version__
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.fastdeploy import BACKEND_MODULE as _BACKEND_MODULE
 from fd_cudagraph_plugin.core.fastdeploy import BACKEND_NAME as _NAME
-from fd_cudagraph_plugin.core.fastdeploy import constructor_shape
+from fd_cudagraph_plugin.core.fastdeploy import constructor_shape, cuda_runtime_blocker
 from fd_cudagraph_plugin.core.fastdeploy import version as fastdeploy_version
 from fd_cudagraph_plugin.core.options import (
     OPTION_PREFIX,
@@ -30,6 +31,13 @@ from fd_cudagraph_plugin.plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 DISTRIBUTION = "fd-cudagraph-plugin"
+#: The plugin is not on PyPI, and a name there could be anyone's: install what you have.
+CHECKOUT = "/path/to/fd-cudagraph-plugin"
+WHEEL = f"dist/fd_cudagraph_plugin-{__version__}-py3-none-any.whl"
+INSTALL = (
+    f"install it from a checkout (pip install {CHECKOUT}) or a wheel built from one "
+    f"(pip wheel --no-deps -w dist {CHECKOUT}, then pip install {WHEEL})"
+)
 #: Constructor shapes of FastDeploy's backend this plugin serves: 2.5, 2.6, develop; and 2.4.
 KNOWN_SHAPES = ("(fd_config, dy_runnable, runnable)", "(fd_config, runnable)")
 
@@ -61,7 +69,7 @@ def check_entry_point(
             FAIL,
             f"no entry point {ENTRY_POINT_NAME!r} in group {ENTRY_POINT_GROUP}, so FastDeploy "
             "cannot find the plugin.",
-            f"pip install {DISTRIBUTION} in the Python environment that runs FastDeploy.",
+            f"{INSTALL} in the Python environment that runs FastDeploy; it is not on PyPI.",
         )
     ep = found[0]
     try:
@@ -72,7 +80,7 @@ def check_entry_point(
             FAIL,
             f"{ep.name} = {ep.value} is installed but does not load: "
             f"{type(error).__name__}: {error}. FastDeploy logs this and serves without the plugin.",
-            f"reinstall: pip install --force-reinstall {DISTRIBUTION}.",
+            f"reinstall from the checkout or wheel: pip install --force-reinstall {CHECKOUT}.",
         )
     detail = f"{ep.name} = {ep.value} in {ENTRY_POINT_GROUP}, loads."
     if len(found) > 1:
@@ -81,7 +89,7 @@ def check_entry_point(
             name,
             WARN,
             f"{detail} It is installed {len(found)} times ({values}); FastDeploy loads each.",
-            f"pip uninstall {DISTRIBUTION} until one copy is left, then reinstall it once.",
+            f"pip uninstall {DISTRIBUTION} until none is left, then {INSTALL} once.",
         )
     return CheckResult(name, OK, detail)
 
@@ -162,15 +170,30 @@ def check_fastdeploy(environ: Mapping[str, str]) -> CheckResult:
     return CheckResult(name, OK, f"{detail} ({release}).")
 
 
-def _simulated(environ: Mapping[str, str]) -> bool:
+def _option_is(env: str, value: str, environ: Mapping[str, str]) -> bool:
     try:
-        return read_option("FD_CUDAGRAPH_RUNTIME", environ) == "simulated"
+        return read_option(env, environ) == value
     except ConfigError:
         return False  # reported by check_options
 
 
+def _simulated(environ: Mapping[str, str]) -> bool:
+    return _option_is("FD_CUDAGRAPH_RUNTIME", "simulated", environ)
+
+
+def _native(environ: Mapping[str, str]) -> bool:
+    return _option_is("FD_CUDAGRAPH_BACKEND", "native", environ)
+
+
+#: What the Paddle and CUDA-graph checks say when the plugin's runtime will not run.
+NATIVE_NOTE = (
+    "FD_CUDAGRAPH_BACKEND=native keeps FastDeploy's own backend, so the plugin's CUDA runtime "
+    "is not used"
+)
+
+
 def check_paddle(environ: Mapping[str, str]) -> CheckResult:
-    """Paddle imports and has CUDA (the plugin's cuda runtime refuses to start without it)."""
+    """Paddle imports and has CUDA (without it the plugin stands aside)."""
     name = "Paddle"
     try:
         import paddle
@@ -184,6 +207,10 @@ def check_paddle(environ: Mapping[str, str]) -> CheckResult:
     version = getattr(paddle, "__version__", "unknown")
     if paddle.is_compiled_with_cuda():
         return CheckResult(name, OK, f"paddle {version}, compiled with CUDA.")
+    if _native(environ):
+        return CheckResult(
+            name, OK, f"paddle {version}, without CUDA: {NATIVE_NOTE} and needs none."
+        )
     if _simulated(environ):
         return CheckResult(
             name,
@@ -195,7 +222,8 @@ def check_paddle(environ: Mapping[str, str]) -> CheckResult:
     return CheckResult(
         name,
         FAIL,
-        f"paddle {version} is not compiled with CUDA; the plugin's cuda runtime refuses to start.",
+        f"paddle {version} is not compiled with CUDA, so the plugin stands aside (see the "
+        "platform line).",
         "install paddlepaddle-gpu (not the CPU wheel paddlepaddle).",
     )
 
@@ -203,6 +231,8 @@ def check_paddle(environ: Mapping[str, str]) -> CheckResult:
 def check_cuda_graphs(environ: Mapping[str, str]) -> CheckResult:
     """Paddle reports CUDA graphs as supported on this build and device."""
     name = "CUDA graphs"
+    if _native(environ):
+        return CheckResult(name, OK, f"not checked: {NATIVE_NOTE}.")
     try:
         from fd_cudagraph_plugin.core.runtime.cuda import cuda_graph_support
 
@@ -236,6 +266,53 @@ def check_cuda_graphs(environ: Mapping[str, str]) -> CheckResult:
     )
 
 
+def check_platform(environ: Mapping[str, str]) -> CheckResult:
+    """Whether ``register()`` installs the plugin's backend here or stands aside, as it logs."""
+    name = "platform"
+    if _native(environ):
+        return CheckResult(name, OK, f"not checked: {NATIVE_NOTE}.")
+    if _simulated(environ):
+        return CheckResult(
+            name,
+            OK,
+            "FD_CUDAGRAPH_RUNTIME=simulated: register() installs the plugin's backend on any "
+            "platform (CPU graphs, for tests and demos).",
+        )
+    try:
+        blocker = cuda_runtime_blocker()
+    except Exception as error:  # a FastDeploy platform object that fails: register() would too
+        return CheckResult(
+            name,
+            FAIL,
+            f"cannot tell the platform: {type(error).__name__}: {error}; register() would fail "
+            "the same way.",
+            "check the FastDeploy installation (see the FastDeploy line).",
+        )
+    if blocker is not None:
+        return CheckResult(
+            name,
+            FAIL,
+            f"fd-cudagraph-plugin {__version__} stands aside here: {blocker}, and its CUDA "
+            "runtime drives NVIDIA CUDA graphs only. register() logs this, and FastDeploy keeps "
+            "its own CUDA-graph backend and runners.",
+            "serve on NVIDIA CUDA with paddlepaddle-gpu to use the plugin; elsewhere FastDeploy's "
+            "own backend is the one that serves, and nothing needs fixing.",
+        )
+    return CheckResult(
+        name, OK, "NVIDIA CUDA with a CUDA build of Paddle: register() installs the plugin."
+    )
+
+
+def _metrics_missing(values: Mapping[str, object]) -> bool:
+    if values.get("FD_CUDAGRAPH_METRICS") != "1":
+        return False
+    try:
+        importlib.import_module("prometheus_client")
+    except Exception:
+        return True
+    return False
+
+
 def check_options(environ: Mapping[str, str]) -> CheckResult:
     """Every ``FD_CUDAGRAPH_*`` option has a value the plugin accepts.
 
@@ -256,13 +333,20 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
     detail = ", ".join(f"{env}={environ[env].strip()}" for env in set_here)
     detail = f"{detail}; the other {defaults}" if set_here else f"all {defaults}"
     detail += " at their defaults"
+    caveats, fixes = [], []
     if values.get("FD_CUDAGRAPH_BACKEND") == "native":
-        return CheckResult(
-            name,
-            WARN,
-            f"{detail}: the plugin loads but FastDeploy keeps its own backend.",
-            "unset FD_CUDAGRAPH_BACKEND to use the plugin's.",
+        caveats.append("the plugin loads but FastDeploy keeps its own backend")
+        fixes.append("unset FD_CUDAGRAPH_BACKEND to use the plugin's.")
+    if _metrics_missing(values):
+        caveats.append(
+            "FD_CUDAGRAPH_METRICS=1 but prometheus_client is not importable here, so no metrics "
+            "are exported (register() logs it once)"
         )
+        fixes.append(
+            "pip install prometheus_client in the Python environment that runs FastDeploy."
+        )
+    if caveats:
+        return CheckResult(name, WARN, f"{detail}: {'; '.join(caveats)}.", " ".join(fixes))
     return CheckResult(name, OK, f"{detail}.")
 
 
@@ -286,6 +370,7 @@ CHECKS: tuple[Callable[[Mapping[str, str]], CheckResult], ...] = (
     check_fastdeploy,
     check_paddle,
     check_cuda_graphs,
+    check_platform,
     check_options,
     check_unknown_options,
 )

@@ -1,48 +1,54 @@
 """``fd-cudagraph plan``: the capture sizes and padding maps FastDeploy will derive, before serving.
 
-The rules are FastDeploy's ``FDConfig`` / ``GraphOptimizationConfig`` capture-size derivation,
-written here from its documented behaviour (shared/docs/fastdeploy-integration.md §2.2) so the
-plan runs on any machine, FastDeploy installed or not:
+The lists and maps come from FastDeploy itself where it is importable and is the release asked
+for (``installed.py``: its own ``FDConfig`` computes them, so the plan cannot drift from it), and
+otherwise from the project's copy of each release's rules (``capture_rules.py``); the plan's first
+line says which, and why. ``--fastdeploy-version`` picks the release (default: the installed
+FastDeploy's, else develop).
 
-- decode cap ``min(512, max_num_seqs)`` (512 with ``cudagraph_only_prefill``); prefill cap
-  ``max_capture_shape_prefill``;
-- automatic lists from the candidates 1, 2, 4, 8..128 by 8, 144..256 by 16, 288..1024 by 32, plus
-  the cap;
-- speculative decoding (MTP, ngram, suffix; k draft tokens, PR #7215) multiplies the cap and every
-  decode size by k + 1, user-given sizes included (they count requests, not tokens);
-- sizes above a cap are dropped; the decode list is deduplicated, the prefill list is not;
-- ``FDConfig.postprocess`` then applies the splitwise role, in this order (develop ``r3_mm_dev``
-  and 2.6 ``r3_eos_2.6``, ``fastdeploy/config.py``): the prefill role sets ``use_cudagraph`` to
-  ``cudagraph_only_prefill``; the mixed role turns sequence-parallel MoE off when CUDA graphs are
-  on; only after that, sequence-parallel MoE with ``max_num_seqs >= tp`` runs
-  ``filter_capture_size(tp)``, keeping the sizes divisible by tp (decode and prefill lists), and
-  with ``max_num_seqs < tp`` turns itself off. So only the decode role (and a prefill node with
-  ``cudagraph_only_prefill``) ever filters. The filter runs after the padding maps were built, so
-  FastDeploy's maps still name removed sizes (the plugin re-pads through the lists).
+What the plan adds is the plugin's side: how many graphs each backend captures in which mode, per
+release (2.4 routes ``cudagraph_only_prefill`` steps to the backend; from 2.5 only static split
+mode does, so elsewhere that mode captures nothing), and the padding the plugin really uses.
+FastDeploy builds ``real_shape_to_captured_size`` before ``filter_capture_size`` removes sizes
+(sequence-parallel MoE), so its map can name graphs that do not exist; the plugin pads through
+the lists as they are, and that is the map printed (``--json`` has both).
 
-FastDeploy's own limits are enforced with an error, which also bounds this command's work:
-``max_num_seqs <= 512`` (``FDConfig.check``) and ``num_speculative_tokens`` in 1..5 for mtp,
-ngram and suffix (``SpeculativeConfig.check_legality_parameters``).
+FastDeploy's own limits are enforced with an error naming the flag, which also bounds this
+command's work: ``max_num_seqs`` at most 256 (2.4, 2.5) or 512 (2.6, develop; ``FDConfig.check``),
+``num_speculative_tokens`` in 1..5 for mtp, ngram and suffix
+(``SpeculativeConfig.check_legality_parameters``), and an even ``max_num_seqs x (k + 1)`` where
+2.4 and 2.5 assert it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
+from fd_cudagraph_plugin.tools import capture_rules
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
-    DEFAULT_PREFILL_SIZES,
-    MAX_NUM_SEQS,
     MAX_PREFILL_SHAPE,
     MAX_SPECULATIVE_TOKENS,
+    MAX_TENSOR_PARALLEL_SIZE,
     SPEC_METHODS,
     SPLITWISE_ROLES,
-    auto_candidates,
-    fastdeploy_bsz_map,
-    fastdeploy_padding_map,
+    Derived,
+    Release,
+    ServingSettings,
 )
+from fd_cudagraph_plugin.tools.installed import (
+    FastDeployRefused,
+    InstalledFastDeploy,
+    derive_with_fastdeploy,
+    installed_fastdeploy,
+    release_rules,
+)
+
+#: FastDeploy's default ``max_capture_shape_prefill``.
+DEFAULT_PREFILL_SHAPE = 512
 
 
 @dataclass(frozen=True)
@@ -56,19 +62,21 @@ class PlanInput:
     sequence_parallel_moe: bool = False
     graph_opt_level: int = 0
     full_cuda_graph: bool = True
-    max_capture_shape_prefill: int = 512
+    #: None: FastDeploy's default, 512 (2.4 has no prefill capture).
+    max_capture_shape_prefill: int | None = None
     only_prefill: bool = False
     capture_sizes: tuple[int, ...] | None = None
     capture_sizes_prefill: tuple[int, ...] | None = None
     splitwise_role: str = "mixed"
-    #: develop's default; release 2.6 defaults to False.
-    draft_model_use_cudagraph: bool = True
+    #: None: the release's default (false on 2.4 .. 2.6, true on develop).
+    draft_model_use_cudagraph: bool | None = None
+    #: None: the installed FastDeploy's release, else develop.
+    fastdeploy_version: str | None = None
 
     @property
-    def mode(self) -> str:
-        if self.graph_opt_level == 0:
-            return "dynamic"
-        return "static full" if self.full_cuda_graph else "static split"
+    def prefill_shape(self) -> int:
+        given = self.max_capture_shape_prefill
+        return DEFAULT_PREFILL_SHAPE if given is None else given
 
 
 @dataclass(frozen=True)
@@ -89,18 +97,33 @@ class BackendPlan:
 @dataclass(frozen=True)
 class Plan:
     inputs: PlanInput
+    #: The release whose rules applied (``capture_rules.RELEASES``).
+    release: str
+    #: Where the lists come from, for the first line of the plan.
+    rules: str
+    #: True when the installed FastDeploy's own ``FDConfig`` computed them.
+    from_fastdeploy: bool
+    mode: str
     num_speculative_tokens: int
+    draft_model_use_cudagraph: bool
     capture_sizes: list[int]
-    capture_sizes_prefill: list[int]
+    #: None on 2.4, which has no prefill capture list.
+    capture_sizes_prefill: list[int] | None
+    #: FastDeploy's maps, as its config holds them (built before ``filter_capture_size``).
     real_shape_to_captured_size: dict[int, int]
     real_shape_to_captured_size_prefill: dict[int, int]
     real_bsz_to_captured_size: dict[int, int]
-    #: True when ``filter_capture_size`` kept only the decode sizes divisible by tp.
+    #: The plugin's padding, from the lists as they are: token count -> decode graph size,
+    #: prefill tokens -> prefill graph size, running requests (1..max_num_seqs) -> graph size.
+    padding: dict[int, int]
+    padding_prefill: dict[int, int]
+    padding_running: dict[int, int]
+    #: True when ``filter_capture_size`` kept only the sizes divisible by tp.
     filtered_for_tp: bool
     backends: list[BackendPlan]
     #: False on a prefill node without ``cudagraph_only_prefill``: FastDeploy captures nothing.
     use_cudagraph: bool = True
-    #: ``(tokens, FastDeploy's size, the plugin's size)`` where the stale map differs.
+    #: ``(tokens, FastDeploy's size, the plugin's size)`` where FastDeploy's map is stale.
     stale_padding: list[tuple[int, int, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -113,6 +136,8 @@ class Plan:
             return {str(key): value for key, value in mapping.items()}
 
         return {
+            "fastdeploy_version": self.release,
+            "rules": "fastdeploy" if self.from_fastdeploy else "copy",
             "settings": {
                 "max_num_seqs": self.inputs.max_num_seqs,
                 "spec_method": self.inputs.spec_method,
@@ -122,17 +147,20 @@ class Plan:
                 "graph_opt_level": self.inputs.graph_opt_level,
                 "full_cuda_graph": self.inputs.full_cuda_graph,
                 "cudagraph_only_prefill": self.inputs.only_prefill,
-                "max_capture_shape_prefill": self.inputs.max_capture_shape_prefill,
+                "max_capture_shape_prefill": self.inputs.prefill_shape,
                 "splitwise_role": self.inputs.splitwise_role,
-                "draft_model_use_cudagraph": self.inputs.draft_model_use_cudagraph,
+                "draft_model_use_cudagraph": self.draft_model_use_cudagraph,
             },
             "use_cudagraph": self.use_cudagraph,
-            "mode": self.inputs.mode,
+            "mode": self.mode,
             "cudagraph_capture_sizes": self.capture_sizes,
             "cudagraph_capture_sizes_prefill": self.capture_sizes_prefill,
             "real_shape_to_captured_size": keyed(self.real_shape_to_captured_size),
             "real_shape_to_captured_size_prefill": keyed(self.real_shape_to_captured_size_prefill),
             "real_bsz_to_captured_size": keyed(self.real_bsz_to_captured_size),
+            "padding": keyed(self.padding),
+            "padding_prefill": keyed(self.padding_prefill),
+            "padding_running_requests": keyed(self.padding_running),
             "filtered_for_tensor_parallel": self.filtered_for_tp,
             "stale_padding": [list(entry) for entry in self.stale_padding],
             "backends": [
@@ -149,6 +177,9 @@ class Plan:
             "total_graphs": self.total_graphs,
             "notes": self.notes,
         }
+
+
+# ------------------------------------------------------------------ validation
 
 
 def _check_count(flag: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -171,14 +202,14 @@ def _check_sizes(flag: str, sizes: tuple[int, ...] | None) -> list[int] | None:
     return list(sizes)
 
 
-def _effective_k(inputs: PlanInput, notes: list[str]) -> int:
-    """The k FastDeploy scales graphs by (``SpeculativeConfig`` defaults and fix-ups included)."""
+def _effective_k(release: Release, inputs: PlanInput) -> int:
+    """``num_speculative_tokens`` as FastDeploy's ``SpeculativeConfig`` leaves it."""
     method, k = inputs.spec_method, inputs.num_speculative_tokens
     if method is None:
-        if k:
-            notes.append(
-                f"--num-speculative-tokens {k} has no effect without --spec-method: FastDeploy "
-                "scales capture sizes only for mtp, ngram and suffix."
+        if k is not None:
+            raise ConfigError(
+                f"--num-speculative-tokens {k} needs --spec-method (mtp, ngram or suffix): "
+                "without a method FastDeploy serves no draft tokens and ignores it."
             )
         return 0
     if method not in SPEC_METHODS:
@@ -186,8 +217,19 @@ def _effective_k(inputs: PlanInput, notes: list[str]) -> int:
             f"--spec-method must be one of {', '.join(SPEC_METHODS)}; got {method!r}. "
             "Leave it out when serving without speculative decoding."
         )
+    if method not in release.spec_methods:
+        raise ConfigError(
+            f"--spec-method {method}: FastDeploy {release.name} has no such method (it has "
+            f"{', '.join(release.spec_methods)}). Pick another --fastdeploy-version or method."
+        )
     if method == "naive":
-        return 0  # SpeculativeConfig forces k = 0 for naive.
+        if k:
+            raise ConfigError(
+                f"--num-speculative-tokens {k} with --spec-method naive: FastDeploy's NAIVE has "
+                "no draft tokens (SpeculativeConfig resets k to 0). Leave --num-speculative-"
+                "tokens out."
+            )
+        return 0
     if k is None:
         return 1
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -198,43 +240,20 @@ def _effective_k(inputs: PlanInput, notes: list[str]) -> int:
     return k
 
 
-def _describe_backend(
-    name: str, inputs: PlanInput, decode: list[int], prefill: list[int], k: int, graphs: bool
-) -> BackendPlan:
-    """Which steps of one backend replay graphs, per mode (the README's execution-mode table)."""
-    if not graphs:
-        return BackendPlan(name, 0, 0, "eager (use_cudagraph off)", "eager (use_cudagraph off)")
-    mode = inputs.mode
-    keyed = "running requests via real_bsz_to_captured_size" if k else "token count"
-    static_prefill = (
-        "Paddle-managed static graphs, one per distinct cudagraph_capture_sizes_prefill size"
-    )
-    if inputs.only_prefill:
-        decode_text = "eager (cudagraph_only_prefill)"
-        if mode == "static split":
-            return BackendPlan(name, 0, len(set(prefill)), decode_text, static_prefill)
-        kind = "plugin CUDA graphs" if mode == "dynamic" else "Paddle-managed static graphs"
-        prefill_text = f"prefill-only steps: {kind} keyed by token count via the decode list"
-        return BackendPlan(name, 0, len(decode), decode_text, prefill_text)
-    if mode == "static full":
-        decode_text = (
-            f"Paddle-managed static graphs keyed by {keyed} (FastDeploy's own backend runs "
-            "these eagerly)"
+def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
+    """The settings as FastDeploy would take them, or a ``ConfigError`` naming the flag."""
+    max_num_seqs = _check_count("--max-num-seqs", inputs.max_num_seqs, 1)
+    if max_num_seqs > release.max_num_seqs:
+        raise ConfigError(
+            f"--max-num-seqs must be at most {release.max_num_seqs} on FastDeploy "
+            f"{release.name} (FDConfig.check asserts max_num_seqs <= {release.max_num_seqs}); "
+            f"got {max_num_seqs}."
         )
-        return BackendPlan(name, len(decode), 0, decode_text, "eager")
-    decode_text = f"plugin CUDA graphs keyed by {keyed}"
-    if mode == "static split":
-        return BackendPlan(name, len(decode), len(set(prefill)), decode_text, static_prefill)
-    return BackendPlan(name, len(decode), 0, decode_text, "eager")
-
-
-def derive_plan(inputs: PlanInput) -> Plan:
-    """Derive what FastDeploy's ``FDConfig`` computes for these settings, plus what is captured."""
-    notes: list[str] = []
-    max_num_seqs = _check_count("--max-num-seqs", inputs.max_num_seqs, 1, MAX_NUM_SEQS)
-    tp = _check_count("--tensor-parallel-size", inputs.tensor_parallel_size, 1)
+    tp = _check_count(
+        "--tensor-parallel-size", inputs.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE
+    )
     prefill_cap = _check_count(
-        "--max-capture-shape-prefill", inputs.max_capture_shape_prefill, 1, MAX_PREFILL_SHAPE
+        "--max-capture-shape-prefill", inputs.prefill_shape, 1, MAX_PREFILL_SHAPE
     )
     if inputs.splitwise_role not in SPLITWISE_ROLES:
         raise ConfigError(
@@ -248,143 +267,441 @@ def derive_plan(inputs: PlanInput) -> Plan:
         )
     user_decode = _check_sizes("--capture-sizes", inputs.capture_sizes)
     user_prefill = _check_sizes("--capture-sizes-prefill", inputs.capture_sizes_prefill)
-    k = _effective_k(inputs, notes)
+    k = _effective_k(release, inputs)
+    odd = capture_rules.check_even_token_cap(release, inputs.spec_method, k, max_num_seqs)
+    if odd:
+        raise ConfigError(odd)
+    return ServingSettings(
+        max_num_seqs=max_num_seqs,
+        method=inputs.spec_method,
+        k=k,
+        tensor_parallel_size=tp,
+        sequence_parallel_moe=inputs.sequence_parallel_moe,
+        graph_opt_level=inputs.graph_opt_level,
+        full_cuda_graph=inputs.full_cuda_graph,
+        only_prefill=inputs.only_prefill,
+        capture_sizes=user_decode,
+        capture_sizes_prefill=user_prefill,
+        max_capture_shape_prefill=prefill_cap,
+        splitwise_role=inputs.splitwise_role,
+        draft_model_use_cudagraph=inputs.draft_model_use_cudagraph,
+    )
 
-    decode_cap = DECODE_CAP if inputs.only_prefill else min(DECODE_CAP, max_num_seqs)
-    if user_decode is None:
-        # _set_cudagraph_sizes builds both automatic lists, replacing a given prefill list.
-        decode = sorted([*auto_candidates(), decode_cap])
-        prefill = sorted([*auto_candidates(), prefill_cap])
-        if user_prefill is not None:
-            notes.append(
-                "cudagraph_capture_sizes_prefill is replaced by FastDeploy's automatic list when "
-                "cudagraph_capture_sizes is not given; pass --capture-sizes too to keep it."
-            )
+
+def _mode(release: Release, inputs: PlanInput) -> str:
+    if inputs.graph_opt_level == 0:
+        return "dynamic"
+    if not release.has_prefill_list:
+        return "static (FastDeploy 2.4)"
+    return "static full" if inputs.full_cuda_graph else "static split"
+
+
+def _decode_cap(release: Release, s: ServingSettings) -> tuple[int, int, str]:
+    """The largest decode size in tokens, the factor FastDeploy multiplies user sizes by, and how
+    it computes the cap."""
+    scaling = s.method in release.scaling_methods and s.k > 0
+    if release.scales_user_sizes:  # init_with_cudagrpah_size scales the cap and the sizes
+        scale = s.k + 1 if scaling else 1
+        base, formula = (
+            (DECODE_CAP, "512 (cudagraph_only_prefill)")
+            if s.only_prefill
+            else (min(DECODE_CAP, s.max_num_seqs), "min(512, max_num_seqs)")
+        )
+        return base * scale, scale, formula + (" x (k + 1)" if scale > 1 else "")
+    if s.only_prefill:  # 2.4 and 2.5 set 512 after scaling
+        return DECODE_CAP, 1, "512 (cudagraph_only_prefill)"
+    cap = s.max_num_seqs * (s.k + 1) if scaling else s.max_num_seqs
+    if release.name == "2.4":
+        formula = "min(512, max_num_seqs" + (" x (k + 1))" if scaling else ")")
+        return min(DECODE_CAP, cap), 1, formula
+    return cap, 1, "max_num_seqs" + (" x (k + 1)" if scaling else "")
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass
+class _Source:
+    """The derivation in use and what the plan says about where it came from."""
+
+    derived: Derived
+    rules: str
+    from_fastdeploy: bool
+    draft_default: bool
+    notes: list[str]
+
+
+def _source(
+    release: Release, s: ServingSettings, installed: InstalledFastDeploy | None, asked: bool
+) -> _Source:
+    """FastDeploy's own derivation where it is importable and is ``release``, else the copy."""
+    copy = capture_rules.derive(release, s)
+    if installed is None:
+        why = "FastDeploy is not importable here" if asked else "asked for the copy"
+    elif installed.problem:
+        why = f"importing the installed FastDeploy failed: {installed.problem}"
+    elif installed.release != release.name:
+        why = f"the installed FastDeploy {installed.version} follows {installed.release}'s rules"
     else:
-        decode = user_decode
-        prefill = list(DEFAULT_PREFILL_SIZES) if user_prefill is None else user_prefill
-        if inputs.mode == "static split" and user_prefill is None and prefill_cap > 8:
-            notes.append(
-                "static split with user cudagraph_capture_sizes keeps cudagraph_capture_sizes_"
-                f"prefill at [8, 4, 2, 1]: prefill steps of 9..{prefill_cap} tokens make "
-                "FastDeploy's backend raise KeyError (the plugin runs them eagerly). Set "
-                "--capture-sizes-prefill too."
+        try:
+            theirs, draft_default = derive_with_fastdeploy(installed, s)
+        except FastDeployRefused as error:
+            raise ConfigError(
+                f"FastDeploy {installed.version} refuses these settings: {error}"
+            ) from None
+        except Exception as error:  # an FDConfig that wants more than a plan has
+            why = (
+                "the installed FastDeploy's FDConfig could not be built here: "
+                f"{type(error).__name__}: {error}"
             )
+        else:
+            if theirs.use_cudagraph or not copy.use_cudagraph:
+                return _from_fastdeploy(release, installed, copy, theirs, draft_default)
+            why = (
+                "the installed FastDeploy turns use_cudagraph off on this machine's platform; "
+                "the plan is a CUDA machine's"
+            )
+    rules = f"FastDeploy {release.name} rules, from the project's copy ({why})"
+    return _Source(copy, rules, False, release.draft_model_use_cudagraph, [])
 
-    if k:
-        decode_cap *= k + 1
-        decode = [size * (k + 1) for size in decode]  # user sizes too: they count requests
-    dropped = sorted({s for s in decode if s > decode_cap})
+
+def _from_fastdeploy(
+    release: Release,
+    installed: InstalledFastDeploy,
+    copy: Derived,
+    theirs: Derived,
+    draft_default: bool,
+) -> _Source:
+    notes = []
+    fields = [f.name for f in dataclasses.fields(Derived) if f.name != "filtered"]
+    drift = [name for name in fields if getattr(copy, name) != getattr(theirs, name)]
+    if drift:
+        notes.append(
+            f"the project's copy of FastDeploy {release.name}'s rules differs from the installed "
+            f"FastDeploy in {', '.join(drift)}; the plan shows FastDeploy's. Please report it."
+        )
+    rules = (
+        f"FastDeploy {release.name} rules, computed by the installed FastDeploy's own FDConfig "
+        f"(version {installed.version})"
+    )
+    # FastDeploy keeps no trace of filter_capture_size: whether it ran is the rules' answer.
+    derived = dataclasses.replace(theirs, filtered=copy.filtered)
+    return _Source(derived, rules, True, draft_default, notes)
+
+
+def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
+    """What FastDeploy's ``FDConfig`` computes for these settings, plus what is captured.
+
+    ``use_fastdeploy=False`` uses the project's copy of the rules even where FastDeploy is
+    importable (the tests compare the two).
+    """
+    installed = installed_fastdeploy() if use_fastdeploy else None
+    release = release_rules(inputs.fastdeploy_version, installed)
+    s = _validate(release, inputs)
+    mode = _mode(release, inputs)
+    source = _source(release, s, installed, use_fastdeploy)
+    derived, notes = source.derived, source.notes
+    decode, prefill = derived.capture_sizes, derived.capture_sizes_prefill
+    cap, scale, formula = _decode_cap(release, s)
+    if s.capture_sizes is not None:
+        dropped = sorted({size * scale for size in s.capture_sizes if size * scale > cap})
+        if dropped:
+            notes.append(
+                f"cudagraph_capture_sizes: FastDeploy drops {_listing(dropped)}, above the "
+                f"decode cap {formula} = {cap}."
+            )
+    _size_notes(notes, release, inputs, mode, s, prefill)
+    _list_notes(notes, release, s, derived)
+    if not decode:
+        unit = "requests" if scale > 1 else "tokens"
+        raise ConfigError(
+            "no decode capture size is left: FastDeploy would build an empty "
+            "cudagraph_capture_sizes and GraphOptBackend fails on its first call. "
+            f"Give --capture-sizes at or below {cap // scale} {unit}"
+            + (f" divisible by {s.tensor_parallel_size}" if derived.filtered else "")
+            + ", or raise --max-num-seqs."
+        )
+
+    table = padding_table(decode)
+    # Token counts above the new largest size never reach the backend (GraphOptBackend runs them
+    # eagerly), so only the ones below it are stale in a way that matters.
+    stale = [
+        entry
+        for entry in table_disagreements(table, derived.real_shape_to_captured_size)
+        if entry[2] > 0
+    ]
+    padding_running = _running_padding(derived.real_bsz_to_captured_size, table, s.max_num_seqs)
+    _stale_notes(notes, derived, stale, padding_running, s.max_num_seqs)
+    prefill_sizes = (prefill or []) if mode == "static split" else decode if s.only_prefill else []
+
+    draft = source.draft_default
+    if inputs.draft_model_use_cudagraph is not None:
+        draft = inputs.draft_model_use_cudagraph
+    backend = {
+        "release": release,
+        "inputs": inputs,
+        "mode": mode,
+        "decode": decode,
+        "prefill": prefill,
+        "by_running": bool(padding_running),
+        "graphs": derived.use_cudagraph,
+    }
+    backends = [_describe_backend("target model", **backend)]
+    default = str(release.draft_model_use_cudagraph).lower()
+    if s.method == "mtp" and draft:
+        backends.append(_describe_backend("MTP draft model", **backend, draft=True))
+        notes.append(
+            "The MTP draft model has its own backend with the same lists "
+            f"(draft_model_use_cudagraph true; FastDeploy {release.name}'s default is {default})."
+        )
+    elif s.method == "mtp":
+        notes.append(
+            f"draft_model_use_cudagraph is false (FastDeploy {release.name}'s default is "
+            f"{default}): the MTP draft model runs eagerly."
+        )
+    return Plan(
+        inputs=inputs,
+        release=release.name,
+        rules=source.rules,
+        from_fastdeploy=source.from_fastdeploy,
+        mode=mode,
+        num_speculative_tokens=s.k,
+        draft_model_use_cudagraph=draft,
+        capture_sizes=decode,
+        capture_sizes_prefill=prefill,
+        real_shape_to_captured_size=derived.real_shape_to_captured_size,
+        real_shape_to_captured_size_prefill=derived.real_shape_to_captured_size_prefill,
+        real_bsz_to_captured_size=derived.real_bsz_to_captured_size,
+        padding=dict(enumerate(table)),
+        padding_prefill=dict(enumerate(padding_table(prefill_sizes))) if prefill_sizes else {},
+        padding_running=padding_running,
+        filtered_for_tp=derived.filtered,
+        backends=backends,
+        use_cudagraph=derived.use_cudagraph,
+        stale_padding=stale,
+        notes=notes,
+    )
+
+
+def _running_padding(bsz_map: dict[int, int], table: list[int], max_num_seqs: int) -> dict:
+    """The plugin's key table under speculative decoding (``Settings.bsz_table``): each running-
+    request count of FastDeploy's map, up to ``max_num_seqs``, to the graph its size pads to.
+    Counts whose size no graph holds are left out: the plugin pads those steps by token count."""
+    return {
+        bsz: table[size]
+        for bsz, size in bsz_map.items()
+        if 0 < bsz <= max_num_seqs and 0 < size < len(table)
+    }
+
+
+def _stale_notes(
+    notes: list[str],
+    derived: Derived,
+    stale: list[tuple[int, int, int]],
+    padding_running: dict[int, int],
+    max_num_seqs: int,
+) -> None:
+    if stale:
+        sizes = sorted({theirs for _, theirs, _ in stale})
+        notes.append(
+            f"FastDeploy's real_shape_to_captured_size was built before filter_capture_size and "
+            f"still maps {len(stale)} token counts to removed sizes {_listing(sizes)}; its own "
+            "backend would fail there. The plugin pads through the filtered list, as printed."
+        )
+    stale_running = [
+        bsz
+        for bsz, size in derived.real_bsz_to_captured_size.items()
+        if 0 < bsz <= max_num_seqs and padding_running.get(bsz) != size
+    ]
+    if stale_running:
+        notes.append(
+            f"FastDeploy's real_bsz_to_captured_size maps {len(stale_running)} running-request "
+            "counts to sizes that are not captured; the plugin pads them to the next captured "
+            "size, or by token count where no graph holds them."
+        )
+
+
+def _size_notes(
+    notes: list[str],
+    release: Release,
+    inputs: PlanInput,
+    mode: str,
+    s: ServingSettings,
+    prefill: list[int] | None,
+) -> None:
+    """What happened to the sizes the user gave."""
+    if not release.has_prefill_list:
+        ignored = [
+            flag
+            for flag, given in (
+                ("--capture-sizes-prefill", inputs.capture_sizes_prefill is not None),
+                ("--max-capture-shape-prefill", inputs.max_capture_shape_prefill is not None),
+                ("--no-full-cuda-graph", not inputs.full_cuda_graph),
+            )
+            if given
+        ]
+        if ignored:
+            notes.append(
+                "FastDeploy 2.4 has no prefill capture list and no static split mode: "
+                f"{', '.join(ignored)} change nothing there."
+            )
+        return
+    user_decode, user_prefill = s.capture_sizes, s.capture_sizes_prefill
+    if user_decode is None and user_prefill is not None:
+        notes.append(
+            "cudagraph_capture_sizes_prefill is replaced by FastDeploy's automatic list when "
+            "cudagraph_capture_sizes is not given; pass --capture-sizes too to keep it."
+        )
+    keeps_default = mode == "static split" and user_decode is not None and user_prefill is None
+    if keeps_default and s.max_capture_shape_prefill > 8:
+        notes.append(
+            "static split with user cudagraph_capture_sizes keeps cudagraph_capture_sizes_"
+            f"prefill at [8, 4, 2, 1]: prefill steps of 9..{s.max_capture_shape_prefill} tokens "
+            "make FastDeploy's backend raise KeyError (the plugin runs them eagerly). Set "
+            "--capture-sizes-prefill too."
+        )
+    dropped = sorted({size for size in user_prefill or () if size > s.max_capture_shape_prefill})
     if dropped and user_decode is not None:
-        scaled = f" x (k+1) = {decode_cap}" if k else f" = {decode_cap}"
         notes.append(
-            f"cudagraph_capture_sizes: FastDeploy drops {_listing(dropped)}, above the decode cap "
-            f"min(512, max_num_seqs){scaled}."
+            f"cudagraph_capture_sizes_prefill: FastDeploy drops {_listing(dropped)}, above "
+            f"max_capture_shape_prefill = {s.max_capture_shape_prefill}."
         )
-    decode = sorted({s for s in decode if s <= decode_cap}, reverse=True)
-    dropped_prefill = sorted({s for s in prefill if s > prefill_cap})
-    if dropped_prefill and user_prefill is not None:
-        notes.append(
-            f"cudagraph_capture_sizes_prefill: FastDeploy drops {_listing(dropped_prefill)}, above "
-            f"max_capture_shape_prefill = {prefill_cap}."
-        )
-    prefill = sorted((s for s in prefill if s <= prefill_cap), reverse=True)
-    repeated = sorted({s for s in prefill if prefill.count(s) > 1})
-    if repeated and inputs.mode == "static split":
+    repeated = sorted({size for size in prefill or () if prefill.count(size) > 1})
+    if repeated and mode == "static split":
         notes.append(
             f"cudagraph_capture_sizes_prefill holds {_listing(repeated)} twice (FastDeploy does "
             "not deduplicate it); one graph per distinct size."
         )
 
-    shape_map = fastdeploy_padding_map(decode)
-    prefill_map = fastdeploy_padding_map(prefill)
-    bsz_map = fastdeploy_bsz_map(decode, k)
 
-    # FDConfig.postprocess order: the prefill role decides use_cudagraph, then the mixed role
-    # turns sequence-parallel MoE off, and only then may filter_capture_size run.
-    use_cudagraph = inputs.splitwise_role != "prefill" or inputs.only_prefill
-    if not use_cudagraph:
+def _list_notes(notes: list[str], release: Release, s: ServingSettings, derived: Derived) -> None:
+    """The release's speculative scaling, the splitwise role and sequence-parallel MoE."""
+    if s.method in ("mtp", "ngram", "suffix"):
+        if release.name == "2.4" and s.method == "mtp":
+            notes.append(
+                "FastDeploy 2.4 multiplies only the decode cap by k + 1 for mtp, not the sizes, "
+                "and builds no real_bsz_to_captured_size: graphs are keyed by token count."
+            )
+        elif release.name == "2.5":
+            notes.append(
+                "FastDeploy 2.5 multiplies the automatic sizes by k + 1 for every method, and "
+                "the decode cap (without 512) only for mtp and suffix; user-given "
+                "cudagraph_capture_sizes are tokens, as given."
+            )
+        elif s.method not in release.scaling_methods:
+            notes.append(
+                f"FastDeploy {release.name} does not scale capture sizes for {s.method}: its "
+                "graphs are keyed by token count."
+            )
+    if not derived.use_cudagraph:
         notes.append(
             "splitwise_role prefill sets use_cudagraph to cudagraph_only_prefill (false): this "
             "node captures no graph; pass --only-prefill to graph its prefill steps."
         )
-    if inputs.splitwise_role == "prefill" and inputs.spec_method == "mtp" and k != 1:
+    if (
+        release.has_prefill_list
+        and s.splitwise_role == "prefill"
+        and s.method == "mtp"
+        and s.k != 1
+    ):
         notes.append(
             f"an MTP prefill node resets num_speculative_tokens to 1 after the sizes were scaled "
-            f"by k + 1 = {k + 1}."
+            f"by k + 1 = {s.k + 1}."
         )
-    filtered = False
-    if not (inputs.sequence_parallel_moe and use_cudagraph):
-        pass
-    elif inputs.splitwise_role == "mixed":
+    tp = s.tensor_parallel_size
+    if not (s.sequence_parallel_moe and derived.use_cudagraph):
+        return
+    if s.splitwise_role == "mixed" and not release.filters_before_roles:
         notes.append(
             "sequence-parallel MoE: FastDeploy turns it off in the mixed role with CUDA graphs "
             "before filter_capture_size, so no size is filtered (--splitwise-role decode "
             "filters)."
         )
-    elif max_num_seqs < tp:
+    elif s.max_num_seqs < tp:
         notes.append(
-            f"sequence-parallel MoE: FastDeploy disables it because max_num_seqs {max_num_seqs} < "
-            f"tensor_parallel_size {tp}."
+            f"sequence-parallel MoE: FastDeploy disables it because max_num_seqs "
+            f"{s.max_num_seqs} < tensor_parallel_size {tp}."
         )
-    elif tp > 1:
-        filtered = True
-        removed = sorted(s for s in decode if s % tp)
-        decode = [s for s in decode if s % tp == 0]
-        removed_prefill = sorted({s for s in prefill if s % tp})
-        prefill = [s for s in prefill if s % tp == 0]
-        if removed or removed_prefill:
-            notes.append(
-                f"sequence-parallel MoE with TP {tp}: filter_capture_size removes decode sizes "
-                f"{_listing(removed) or 'none'} and prefill sizes "
-                f"{_listing(removed_prefill) or 'none'} (not divisible by {tp}) after the padding "
-                "maps were built."
-            )
-
-    if not decode:
-        raise ConfigError(
-            "no decode capture size is left: FastDeploy would build an empty "
-            "cudagraph_capture_sizes and GraphOptBackend fails on its first call. "
-            f"Give --capture-sizes at or below {decode_cap // (k + 1)} requests"
-            + (f" divisible by {tp}" if filtered else "")
-            + ", or raise --max-num-seqs."
+    elif derived.filtered:
+        # The maps were built before the filter: their values are the sizes before it.
+        removed = sorted(set(derived.real_shape_to_captured_size.values()) - {0})
+        removed = [size for size in removed if size % tp]
+        what = f"decode sizes {_listing(removed) or 'none'}"
+        if derived.capture_sizes_prefill is not None:
+            before = set(derived.real_shape_to_captured_size_prefill.values()) - {0}
+            what += f" and prefill sizes {_listing(sorted(x for x in before if x % tp)) or 'none'}"
+        order = (
+            " (FastDeploy 2.4 filters before the mixed role turns it off)"
+            if release.filters_before_roles and s.splitwise_role == "mixed"
+            else ""
         )
-    # Token counts above the new largest size never reach the backend (GraphOptBackend runs them
-    # eagerly), so only the ones below it are stale in a way that matters.
-    stale = [e for e in table_disagreements(padding_table(decode), shape_map) if e[2] > 0]
-    if stale:
-        sizes = sorted({theirs for _, theirs, _ in stale})
         notes.append(
-            f"FastDeploy's real_shape_to_captured_size still maps {len(stale)} token counts to "
-            f"removed sizes {_listing(sizes)}; its backend would fail there, the plugin pads them "
-            "to the next size in the list."
+            f"sequence-parallel MoE with TP {tp}: filter_capture_size removes {what} (not "
+            f"divisible by {tp}) after the padding maps were built{order}."
         )
 
-    backends = [_describe_backend("target model", inputs, decode, prefill, k, use_cudagraph)]
-    if inputs.spec_method == "mtp" and inputs.draft_model_use_cudagraph:
-        backends.append(
-            _describe_backend("MTP draft model", inputs, decode, prefill, k, use_cudagraph)
+
+def _describe_backend(
+    name: str,
+    release: Release,
+    inputs: PlanInput,
+    mode: str,
+    decode: list[int],
+    prefill: list[int] | None,
+    by_running: bool,
+    graphs: bool,
+    *,
+    draft: bool = False,
+) -> BackendPlan:
+    """Which steps of one backend replay graphs, per mode and release (docs/modes.md)."""
+    if not graphs:
+        return BackendPlan(name, 0, 0, "eager (use_cudagraph off)", "eager (use_cudagraph off)")
+    keyed = "running requests via real_bsz_to_captured_size" if by_running else "token count"
+    if not release.has_prefill_list:  # 2.4
+        kind = (
+            "plugin CUDA graphs"
+            if mode == "dynamic"
+            else "Paddle-managed static graphs (2.4 runs every graphed step as run_static_model)"
         )
-        notes.append(
-            "The MTP draft model has its own backend with the same lists "
-            "(draft_model_use_cudagraph: develop's default true, release 2.6's false)."
-        )
-    elif inputs.spec_method == "mtp":
-        notes.append("draft_model_use_cudagraph is false: the MTP draft model runs eagerly.")
-    return Plan(
-        inputs=inputs,
-        num_speculative_tokens=k,
-        capture_sizes=decode,
-        capture_sizes_prefill=prefill,
-        real_shape_to_captured_size=shape_map,
-        real_shape_to_captured_size_prefill=prefill_map,
-        real_bsz_to_captured_size=bsz_map,
-        filtered_for_tp=filtered,
-        backends=backends,
-        use_cudagraph=use_cudagraph,
-        stale_padding=stale,
-        notes=notes,
+        if inputs.only_prefill:
+            text = f"prefill-only steps: {kind} keyed by token count via the decode list"
+            return BackendPlan(name, 0, len(decode), "eager (cudagraph_only_prefill)", text)
+        count = len(decode)
+        decode_text = f"{kind} keyed by {keyed}"
+        if inputs.spec_method == "mtp" and not draft and 1 in decode:
+            count -= 1
+            decode_text += "; size 1 is never captured (2.4's MTP loop skips it) and runs eagerly"
+        return BackendPlan(name, count, 0, decode_text, "eager")
+    static_prefill = (
+        "Paddle-managed static graphs, one per distinct cudagraph_capture_sizes_prefill size"
     )
+    distinct_prefill = len(set(prefill or ()))
+    if inputs.only_prefill:
+        decode_text = "eager (cudagraph_only_prefill)"
+        if mode == "static split":
+            return BackendPlan(name, 0, distinct_prefill, decode_text, static_prefill)
+        return BackendPlan(
+            name,
+            0,
+            0,
+            decode_text,
+            f"eager: from FastDeploy 2.5 GraphOptBackend sends prefill steps to the backend only "
+            f"in static split mode, so {mode} mode captures nothing",
+        )
+    if mode == "static full":
+        decode_text = (
+            f"Paddle-managed static graphs keyed by {keyed} (FastDeploy's own backend runs "
+            "these eagerly)"
+        )
+        return BackendPlan(name, len(decode), 0, decode_text, "eager")
+    decode_text = f"plugin CUDA graphs keyed by {keyed}"
+    if mode == "static split":
+        return BackendPlan(name, len(decode), distinct_prefill, decode_text, static_prefill)
+    return BackendPlan(name, len(decode), 0, decode_text, "eager")
+
+
+def _graphs(count: int) -> str:
+    return f"{count} graph{'' if count == 1 else 's'}"
 
 
 def _listing(values: list[int]) -> str:
@@ -405,6 +722,13 @@ def format_ranges(mapping: dict[int, int]) -> str:
     return ", ".join(parts) if parts else "(empty)"
 
 
+def _map_line(name: str, ours: dict[int, int], theirs: dict[int, int]) -> str:
+    """The plugin's map under FastDeploy's name, said so where FastDeploy's own differs."""
+    if ours == theirs:
+        return f"{name}: {format_ranges(ours)}"
+    return f"{name}, as the plugin pads (FastDeploy's own is stale): {format_ranges(ours)}"
+
+
 def format_plan(plan: Plan) -> str:
     inputs = plan.inputs
     spec = (
@@ -412,29 +736,41 @@ def format_plan(plan: Plan) -> str:
     )
     sp_moe = "on" if inputs.sequence_parallel_moe else "off"
     lines = [
+        f"rules: {plan.rules}",
         f"settings: max_num_seqs={inputs.max_num_seqs}, speculative={spec}, "
         f"tensor_parallel_size={inputs.tensor_parallel_size}, sequence-parallel MoE={sp_moe}, "
         f"graph_opt_level={inputs.graph_opt_level}, full_cuda_graph="
         f"{str(inputs.full_cuda_graph).lower()}, cudagraph_only_prefill="
         f"{str(inputs.only_prefill).lower()}, splitwise_role={inputs.splitwise_role} -> "
-        f"{inputs.mode} mode",
+        f"{plan.mode} mode",
         f"cudagraph_capture_sizes ({len(plan.capture_sizes)}): {_listing(plan.capture_sizes)}",
-        f"cudagraph_capture_sizes_prefill ({len(plan.capture_sizes_prefill)}"
-        f"{'' if inputs.mode == 'static split' else ', used in static split mode only'}): "
-        f"{_listing(plan.capture_sizes_prefill)}",
-        f"real_shape_to_captured_size: {format_ranges(plan.real_shape_to_captured_size)}",
     ]
-    if inputs.mode == "static split":
+    if plan.capture_sizes_prefill is not None:
+        used = "" if plan.mode == "static split" else ", used in static split mode only"
         lines.append(
-            "real_shape_to_captured_size_prefill: "
-            + format_ranges(plan.real_shape_to_captured_size_prefill)
+            f"cudagraph_capture_sizes_prefill ({len(plan.capture_sizes_prefill)}{used}): "
+            f"{_listing(plan.capture_sizes_prefill)}"
         )
-    if plan.real_bsz_to_captured_size:
-        lines.append(f"real_bsz_to_captured_size: {format_ranges(plan.real_bsz_to_captured_size)}")
+    lines.append(
+        _map_line("real_shape_to_captured_size", plan.padding, plan.real_shape_to_captured_size)
+    )
+    if plan.mode == "static split":
+        lines.append(
+            _map_line(
+                "real_shape_to_captured_size_prefill",
+                plan.padding_prefill,
+                plan.real_shape_to_captured_size_prefill,
+            )
+        )
+    if plan.padding_running:
+        theirs = {
+            b: s for b, s in plan.real_bsz_to_captured_size.items() if 0 < b <= inputs.max_num_seqs
+        }
+        lines.append(_map_line("real_bsz_to_captured_size", plan.padding_running, theirs))
     lines.append("graphs per backend:")
     for backend in plan.backends:
         lines.append(
-            f"  {backend.name}: {backend.graphs} graphs ({backend.decode_graphs} decode, "
+            f"  {backend.name}: {_graphs(backend.graphs)} ({backend.decode_graphs} decode, "
             f"{backend.prefill_graphs} prefill)"
         )
         lines.append(f"    decode steps: {backend.decode}")

@@ -29,9 +29,24 @@ TOKEN_LIMIT = 2**31 - 1
 #: No graph FastDeploy builds is larger (decode cap 512 requests times k + 1 <= 6 tokens each);
 #: counts above it are tallied as eager steps, never kept one by one.
 GRAPHED_LIMIT = DECODE_CAP * (MAX_SPECULATIVE_TOKENS + 1)
+#: Most steps one stats entry may count: the largest integer every JSON reader keeps exact. A
+#: worker serving a million steps a second would take 285 years to count that far.
+MAX_STEPS = 2**53 - 1
 #: A stats line holds at most a few thousand counts; a longer line is not one of ours.
 _MAX_LINE = 1 << 20
+#: How much of a file that opens with a multi-line JSON document is read to say what it is.
+_MAX_DOCUMENT = 16 << 20
 _BOM = b"\xef\xbb\xbf"
+#: The plugin's other JSON files, which are no trace but easily passed by mistake.
+OTHER_FORMATS = {
+    "fd-cudagraph-memory/1": (
+        "a graph-memory report (what FD_CUDAGRAPH_MEMORY_REPORT writes after each capture session)"
+    ),
+}
+WANTED = (
+    f"tune reads decode traces: one decode token count per line, or the {STATS_FORMAT} JSON "
+    "lines FD_CUDAGRAPH_STATS_FILE writes"
+)
 
 
 class TraceError(CudaGraphPluginError, ValueError):
@@ -95,6 +110,8 @@ def _read(handle: BinaryIO, name: str, histogram: Histogram) -> None:
         if len(raw) == _MAX_LINE and not raw.endswith(b"\n"):
             raise TraceError(f"{where}: line longer than {_MAX_LINE} bytes; not a trace line.")
         stripped = raw.strip()
+        if lineno == 1 and stripped.startswith(b"{"):
+            _refuse_document(stripped, handle, name)
         # The common line, a bare count, skips decoding and the regular expressions.
         if stripped.isdigit():
             histogram.kinds.add("plain")
@@ -141,13 +158,40 @@ def _add_line(histogram: Histogram, text: str, where: str) -> None:
     histogram.add(_parse_count(value, where), 1)
 
 
+def _refuse_document(first: bytes, handle: BinaryIO, name: str) -> None:
+    """A file whose first line opens a JSON object that does not close there is one JSON
+    document over several lines (a memory report, ``plan --json``), not stats lines: say what it
+    is rather than that its first line is not valid JSON."""
+    try:
+        json.loads(first)
+        return  # one complete object on the line: a stats line, checked as such
+    except (ValueError, RecursionError):
+        pass
+    text = first + handle.read(_MAX_DOCUMENT)
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        return  # not one document either: the line's own error says what is wrong
+    what = "one JSON document over several lines"
+    if isinstance(document, dict):
+        fmt = document.get("format")
+        what = OTHER_FORMATS.get(fmt, f"{what} ({_format_text(fmt)})")
+    raise TraceError(f"{name} is {what}, not a trace; {WANTED}.")
+
+
+def _format_text(fmt: object) -> str:
+    return 'no "format" key' if fmt is None else f'"format" is {str(fmt)[:40]!r}'
+
+
 def _add_stats(text: str, where: str, histogram: Histogram) -> None:
     """Validate one stats line and add its increments."""
     try:
         record = json.loads(text)
     except json.JSONDecodeError as error:
+        # json's messages end in "starting at" or "delimiter" before the position it appends.
+        message = error.msg.removesuffix(" at")
         raise TraceError(
-            f"{where}: not valid JSON ({error.msg} at column {error.colno}); each stats line is "
+            f"{where}: not valid JSON ({message} at column {error.colno}); each stats line is "
             f"one {STATS_FORMAT} object."
         ) from None
     except (ValueError, RecursionError) as error:  # a 5000-digit number, nesting too deep
@@ -155,8 +199,10 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
     if not isinstance(record, dict):
         raise TraceError(f"{where}: expected a JSON object; got {type(record).__name__}.")
     fmt = record.get("format")
+    if fmt in OTHER_FORMATS:
+        raise TraceError(f"{where}: this is {OTHER_FORMATS[fmt]}, not a trace; {WANTED}.")
     if fmt != STATS_FORMAT:
-        raise TraceError(f'{where}: "format" is {fmt!r}; this tool reads "{STATS_FORMAT}".')
+        raise TraceError(f'{where}: {_format_text(fmt)}; this tool reads "{STATS_FORMAT}" lines.')
     running = "running_request_counts" in record
     key = "running_request_counts" if running else "decode_token_counts"
     missing = [k for k in ("time", "rank", "backend", key) if k not in record]
@@ -191,9 +237,10 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
         if not _DIGITS.fullmatch(count):
             what = "request" if running else "token"
             raise TraceError(f'{where}: "{key}" key {count[:40]!r} is not a {what} count.')
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_STEPS:
+            shown = f"{str(steps)[:24]}..." if len(str(steps)) > 24 else repr(steps)
             raise TraceError(
-                f'{where}: "{key}"[{count!r}] must be a step count >= 0; got {steps!r}.'
+                f'{where}: "{key}"[{count!r}] must be a step count in 0..{MAX_STEPS}; got {shown}.'
             )
         parsed.append((_parse_count(count, where), steps))
     histogram.kinds.add("running" if running else "decode")

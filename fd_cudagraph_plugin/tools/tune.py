@@ -10,11 +10,18 @@ decoding FastDeploy keys graphs by running requests: it captures each ``cudagrap
 entry ``s`` as ``s * (k + 1)`` tokens and maps ``r`` running requests to the smallest captured
 ``s >= r``. Stats lines then carry ``running_request_counts`` and ``num_speculative_tokens``; a
 plain trace is read as running requests when ``--num-speculative-tokens`` is given. Either way the
-sizes are fitted in the units the user passes to FastDeploy, and each padded request slot costs
-``k + 1`` tokens, so the same optimum serves both.
+sizes are fitted in running requests, and each padded request slot costs ``k + 1`` tokens, so the
+same optimum serves both. FastDeploy 2.6 and develop take ``cudagraph_capture_sizes`` in those
+units; 2.5 takes tokens, so the config printed for it holds ``s * (k + 1)``; 2.4 keys speculative
+graphs by token count and is refused.
+
+``--fastdeploy-version`` picks the release (default: the installed FastDeploy's, else develop): it
+bounds the sizes (``min(512, max_num_seqs)`` with ``max_num_seqs`` at most 256 on 2.4 and 2.5, 512
+later) and gives the baseline, that release's automatic list, computed as ``plan`` computes it.
 
 A step of ``n`` pads to the smallest captured size ``>= n`` and wastes the difference. With the
-largest size fixed (the largest observed count, or ``--max-size``), the list of at most N sizes
+largest size fixed (the largest observed count within that bound, or ``--max-size``; never a size
+no step pads to unless ``--max-size`` asks for it), the list of at most N sizes
 with the fewest padded tokens is found exactly: every size worth having is an observed count, and
 choosing them is a dynamic programme over the distinct counts,
 
@@ -40,9 +47,11 @@ from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     MAX_SPECULATIVE_TOKENS,
-    default_capture_sizes,
+    RULES,
+    Release,
 )
-from fd_cudagraph_plugin.tools.traces import GRAPHED_LIMIT, TraceError, bad_k
+from fd_cudagraph_plugin.tools.plan import PlanInput, derive_plan, release_rules
+from fd_cudagraph_plugin.tools.traces import TraceError, bad_k
 
 
 def padded_tokens(sizes: Iterable[int], histogram: Mapping[int, int]) -> int:
@@ -134,10 +143,18 @@ class TuneResult:
     eager_zero_tokens: int = 0
     notes: list[str] = field(default_factory=list)
     num_speculative_tokens: int = 0
+    #: The smallest and largest count of the steps fitted (``max_size`` may be larger).
+    observed: tuple[int, int] = (1, 1)
+    #: The FastDeploy release whose rules applied; 2.5 takes speculative sizes in tokens.
+    fastdeploy_version: str = "develop"
 
     @property
     def graph_optimization_config(self) -> dict[str, list[int]]:
-        return {"cudagraph_capture_sizes": self.capture_sizes}
+        tokens = (
+            self.num_speculative_tokens and not RULES[self.fastdeploy_version].scales_user_sizes
+        )
+        sizes = self.captured_token_sizes if tokens else self.capture_sizes
+        return {"cudagraph_capture_sizes": sizes}
 
     @property
     def captured_token_sizes(self) -> list[int]:
@@ -161,19 +178,34 @@ class TuneResult:
             "num_speculative_tokens": self.num_speculative_tokens,
             "captured_token_sizes": self.captured_token_sizes,
             "steps": self.steps,
+            "observed_min": self.observed[0],
+            "observed_max": self.observed[1],
             "max_size": self.max_size,
+            "fastdeploy_version": self.fastdeploy_version,
             "eager_above_max": self.eager_above_max,
             "eager_zero_tokens": self.eager_zero_tokens,
             "notes": self.notes,
         }
 
 
-def _speculative_tokens(histogram: Mapping[int, int], requested: int | None) -> int:
+def _speculative_tokens(
+    histogram: Mapping[int, int], requested: int | None, release: Release
+) -> int:
     """k for this fit: from the stats lines, else ``--num-speculative-tokens``, else 0."""
     recorded = getattr(histogram, "num_speculative_tokens", None)
     kinds = getattr(histogram, "kinds", set())
-    if requested is None:
-        return recorded or 0
+    k = (recorded or 0) if requested is None else _requested_k(requested, recorded, kinds)
+    if k and not release.has_bsz_map:
+        raise ConfigError(
+            "FastDeploy 2.4 builds no real_bsz_to_captured_size: its speculative graphs are keyed "
+            "by token count, so sizes fitted in running requests do not apply. Tune a trace of "
+            "decode token counts (without --num-speculative-tokens), or pick another "
+            "--fastdeploy-version."
+        )
+    return k
+
+
+def _requested_k(requested: int, recorded: int | None, kinds: set[str]) -> int:
     if bad_k(requested):
         raise ConfigError(
             f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
@@ -198,56 +230,63 @@ def tune(
     max_graphs: int,
     max_size: int | None = None,
     num_speculative_tokens: int | None = None,
+    *,
+    fastdeploy_version: str | None = None,
 ) -> TuneResult:
     """Choose at most ``max_graphs`` capture sizes for a histogram ``{count: steps}``.
 
-    The largest size is ``max_size`` when given, else the largest observed count up to 512.
-    Steps above it are ones FastDeploy runs eagerly whatever the list, so they are left out of
-    both totals and reported; so are 0-token steps.
+    The largest size is ``max_size`` when given, else the largest observed count that
+    FastDeploy could graph (``min(512, max_num_seqs)``, with the release's ``max_num_seqs``
+    limit). Steps above it are ones FastDeploy runs eagerly whatever the list, so they are left
+    out of both totals and reported; so are 0-token steps. ``fastdeploy_version`` picks the
+    release's rules (None: the installed FastDeploy's, else develop).
     """
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
         raise ConfigError(f"--max-graphs must be an integer >= 1; got {max_graphs!r}.")
-    k = _speculative_tokens(histogram, num_speculative_tokens)
+    release = release_rules(fastdeploy_version)
+    # The decode cap is min(512, max_num_seqs) with FDConfig.check's max_num_seqs limit
+    # (config.py), so larger counts run eagerly under any list.
+    cap = release.decode_cap
+    k = _speculative_tokens(histogram, num_speculative_tokens, release)
     unit = "running requests" if k else "tokens"
     if max_size is not None and (
-        isinstance(max_size, bool)
-        or not isinstance(max_size, int)
-        or not 1 <= max_size <= DECODE_CAP
+        isinstance(max_size, bool) or not isinstance(max_size, int) or not 1 <= max_size <= cap
     ):
         raise ConfigError(
-            f"--max-size must be an integer in 1..{DECODE_CAP} ({unit}); got {max_size!r}. "
+            f"--max-size must be an integer in 1..{cap} ({unit}); got {max_size!r}. "
             f"FastDeploy captures no decode size above min({DECODE_CAP}, max_num_seqs), and "
-            f"max_num_seqs is at most {DECODE_CAP}."
+            f"FastDeploy {release.name} allows max_num_seqs up to {release.max_num_seqs}."
         )
     bad = sorted(n for n, steps in histogram.items() if n < 0 or steps < 0)
     if bad:
         raise ValueError(f"counts and step counts must be >= 0; got {bad[:5]}")
     observed = [n for n, steps in histogram.items() if n > 0 and steps > 0]
     beyond = getattr(histogram, "beyond", 0)
-    if not observed:
-        raise TraceError(
-            f"the trace holds no decode step with 1 to {GRAPHED_LIMIT} {unit}; nothing to tune."
-        )
-    # FastDeploy's decode cap is min(512, max_num_seqs) with max_num_seqs <= 512 (config.py,
-    # FDConfig.__init__ and check()), so larger counts run eagerly under any list.
-    top = min(max(observed), DECODE_CAP) if max_size is None else max_size
-    kept = {n: histogram[n] for n in observed if n <= top}
+    limit = cap if max_size is None else max_size
+    kept = {n: histogram[n] for n in observed if n <= limit}
     if not kept:
-        raise TraceError(
-            f"every decode step in the trace has more than --max-size {top} {unit} "
-            f"(smallest {min(observed)}); raise --max-size."
-        )
+        raise _nothing_to_tune(observed, beyond, max_size, cap, unit, release)
+    # Without --max-size the largest size is the largest count a step really has: a larger one
+    # would be a graph that no observed step pads to.
+    top = max(kept) if max_size is None else max_size
     sizes = optimal_sizes(kept, max_graphs, top)
     # FastDeploy's automatic list for max_num_seqs = top, in the units the user passes: with
     # speculative decoding it scales the same candidates by k + 1.
-    baseline = default_capture_sizes(top)
+    baseline = derive_plan(PlanInput(max_num_seqs=top, fastdeploy_version=release.name))
     notes = []
     methods = sorted(getattr(histogram, "speculative_methods", ()))
     if k:
+        tokens = ", ".join(map(str, (s * (k + 1) for s in sizes)))
+        how = (
+            f"FastDeploy captures each size s as s x {k + 1} tokens ({tokens}) and replays the "
+            "smallest one that holds the running requests"
+            if release.scales_user_sizes
+            else f"FastDeploy {release.name} takes the sizes in tokens, s x {k + 1} ({tokens}: "
+            "the config below), and for mtp and suffix replays the smallest one that holds the "
+            "running requests"
+        )
         notes.append(
-            f"Speculative decoding with k = {k}: FastDeploy captures each size s as s x {k + 1} "
-            f"tokens ({', '.join(map(str, (s * (k + 1) for s in sizes)))}) and replays the "
-            "smallest one that holds the running requests; serve with the same "
+            f"Speculative decoding with k = {k}: {how}; serve with the same "
             f"num_speculative_tokens and --max-num-seqs >= {top}."
         )
     elif methods:
@@ -268,12 +307,39 @@ def tune(
         max_size=top,
         capture_sizes=sizes,
         padded_tokens=padded_tokens(sizes, kept) * (k + 1),
-        baseline_capture_sizes=baseline,
-        baseline_padded_tokens=padded_tokens(baseline, kept) * (k + 1),
+        baseline_capture_sizes=baseline.capture_sizes,
+        baseline_padded_tokens=padded_tokens(baseline.capture_sizes, kept) * (k + 1),
         eager_above_max=sum(s for n, s in histogram.items() if n > top) + beyond,
         eager_zero_tokens=histogram.get(0, 0),
         notes=notes,
         num_speculative_tokens=k,
+        observed=(min(kept), max(kept)),
+        fastdeploy_version=release.name,
+    )
+
+
+def _nothing_to_tune(
+    observed: list[int], beyond: int, max_size: int | None, cap: int, unit: str, release: Release
+) -> TraceError:
+    """Why no step of the trace can be graphed, with the bound that applies."""
+    if max_size is not None and (observed or beyond):
+        smallest = f" (smallest {min(observed)})" if observed else ""
+        return TraceError(
+            f"every decode step in the trace has more than --max-size {max_size} {unit}"
+            f"{smallest}; raise --max-size."
+        )
+    bound = (
+        f"FastDeploy {release.name}'s largest decode graph: min({DECODE_CAP}, max_num_seqs) with "
+        f"max_num_seqs at most {release.max_num_seqs}"
+    )
+    if observed or beyond:
+        smallest = f" (the smallest has {min(observed)})" if observed else ""
+        return TraceError(
+            f"every decode step in the trace has more than {cap} {unit}{smallest}, {bound}; "
+            "FastDeploy runs them eagerly whatever the list, nothing to tune."
+        )
+    return TraceError(
+        f"the trace holds no decode step with 1 to {cap} {unit} ({bound}); nothing to tune."
     )
 
 
@@ -283,11 +349,19 @@ def format_result(result: TuneResult) -> str:
 
     k = result.num_speculative_tokens
     unit = "running requests" if k else "tokens"
-    lines = [f"decode steps: {result.steps} with 1..{result.max_size} {unit}"]
+    low, high = result.observed
+    counts = f"{low}" if low == high else f"{low}..{high}"
+    lines = [f"decode steps: {result.steps} with {counts} {unit}"]
     if k:
+        takes = (
+            "as cudagraph_capture_sizes takes them"
+            if RULES[result.fastdeploy_version].scales_user_sizes
+            else f"FastDeploy {result.fastdeploy_version} takes cudagraph_capture_sizes in tokens "
+            f"(x {k + 1}: the config below)"
+        )
         lines.append(
-            f"speculative decoding, k = {k}: sizes below are running requests, as "
-            f"cudagraph_capture_sizes takes them; each padded request costs {k + 1} tokens"
+            f"speculative decoding, k = {k}: sizes below are running requests, {takes}; each "
+            f"padded request costs {k + 1} tokens"
         )
     if result.eager_above_max or result.eager_zero_tokens:
         lines.append(
@@ -301,8 +375,8 @@ def format_result(result: TuneResult) -> str:
         change = "the same" if result.padded_tokens == 0 else "the default list pads none"
     lines += [
         f"tuned   ({_graphs(len(tuned))}): {', '.join(map(str, tuned))}",
-        f"default ({_graphs(len(baseline))}, FastDeploy's list for max_num_seqs="
-        f"{result.max_size}): {', '.join(map(str, baseline))}",
+        f"default ({_graphs(len(baseline))}, FastDeploy {result.fastdeploy_version}'s list for "
+        f"max_num_seqs={result.max_size}): {', '.join(map(str, baseline))}",
         f"padded tokens: tuned {result.padded_tokens} ({per_step(result.padded_tokens)}), "
         f"default {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
         f"{change}",

@@ -1,0 +1,182 @@
+"""The importable FastDeploy, for ``plan`` and ``tune``: its release, and its own derivation.
+
+Where FastDeploy is importable, its ``GraphOptimizationConfig``, ``SchedulerConfig``,
+``ParallelConfig``, ``SpeculativeConfig`` and ``FDConfig`` compute the capture lists and maps, so
+the tools cannot drift from the FastDeploy that will serve. The release is recognised from its
+config, not its version string (2.4 reports ``2.3.0-dev``, develop ``2.6.0-dev``): 2.4 has no
+prefill capture list, 2.5 no ``flag_cudagraph_capture_sizes_initlized``, and develop turned
+``draft_model_use_cudagraph`` on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.tools.capture_rules import (
+    DEFAULT_RELEASE,
+    RELEASES,
+    RULES,
+    Derived,
+    Release,
+    ServingSettings,
+)
+
+
+@dataclass(frozen=True)
+class InstalledFastDeploy:
+    """The importable ``fastdeploy``: its config module and release, or why it cannot serve."""
+
+    version: str
+    config: ModuleType | None = None
+    release: str | None = None
+    problem: str = ""
+
+
+class FastDeployRefused(Exception):
+    """FastDeploy's config asserted against these settings; the message is FastDeploy's."""
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """FastDeploy's configs log their adjustments and Paddle's import warns about ccache; none of
+    it is the tools' output, and what they print goes to standard error, so that standard output
+    (``--json``) holds only the tool's own."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def installed_fastdeploy() -> InstalledFastDeploy | None:
+    """The FastDeploy this Python imports, or None when there is none."""
+    try:
+        if importlib.util.find_spec("fastdeploy") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        with quiet():
+            package = importlib.import_module("fastdeploy")
+            config = importlib.import_module("fastdeploy.config")
+            graph = config.GraphOptimizationConfig({})
+    except Exception as error:  # whatever FastDeploy's imports raise on this machine
+        return InstalledFastDeploy("unknown", problem=f"{type(error).__name__}: {error}")
+    version = str(getattr(package, "__version__", "unknown"))
+    return InstalledFastDeploy(version, config, _release_of(graph))
+
+
+def _release_of(graph: Any) -> str:
+    if not hasattr(graph, "cudagraph_capture_sizes_prefill"):
+        return "2.4"
+    if not hasattr(graph, "flag_cudagraph_capture_sizes_initlized"):
+        return "2.5"
+    return "develop" if getattr(graph, "draft_model_use_cudagraph", False) else "2.6"
+
+
+def release_rules(name: str | None, installed: InstalledFastDeploy | None = None) -> Release:
+    """The rules of ``--fastdeploy-version``; None: the installed FastDeploy's, else develop.
+    ``installed`` saves looking FastDeploy up again."""
+    if name is None:
+        found = installed if installed is not None else installed_fastdeploy()
+        name = found.release if found is not None and found.release else DEFAULT_RELEASE
+    if name not in RULES:
+        raise ConfigError(
+            f"--fastdeploy-version must be one of {', '.join(RELEASES)}; got {name!r}."
+        )
+    return RULES[name]
+
+
+class _ModelStandIn:
+    """What ``FDConfig`` reads of a model config when there is no model, as FastDeploy's own graph
+    tests stand one in (``tests/graph_optimization``); every other field is None."""
+
+    max_model_len = 8192
+    architectures = ("PlanModel",)
+    enable_mm = False
+    mm_max_tokens_per_item = None
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+def derive_with_fastdeploy(
+    installed: InstalledFastDeploy, s: ServingSettings
+) -> tuple[Derived, bool]:
+    """FastDeploy's own lists, maps and ``use_cudagraph``, and its ``draft_model_use_cudagraph``.
+
+    ``Derived.filtered`` is left False: FastDeploy keeps no trace of the filter; the caller takes
+    it from the rules. Raises ``FastDeployRefused`` where FastDeploy asserts, anything else where
+    its ``FDConfig`` cannot be built here.
+    """
+    config = installed.config
+    graph: dict[str, Any] = {
+        "use_cudagraph": True,
+        "graph_opt_level": s.graph_opt_level,
+        "full_cuda_graph": s.full_cuda_graph,
+        "cudagraph_only_prefill": s.only_prefill,
+        "max_capture_shape_prefill": s.max_capture_shape_prefill,
+    }
+    if s.capture_sizes is not None:
+        graph["cudagraph_capture_sizes"] = list(s.capture_sizes)
+    if s.capture_sizes_prefill is not None:
+        graph["cudagraph_capture_sizes_prefill"] = list(s.capture_sizes_prefill)
+    if s.draft_model_use_cudagraph is not None:
+        graph["draft_model_use_cudagraph"] = s.draft_model_use_cudagraph
+    with quiet():
+        speculative: dict[str, Any] = {}
+        if s.method is not None:
+            accepted = getattr(config.SpeculativeConfig({}), "method_list", ())
+            # 2.4 and 2.5 spell ngram ngram_match.
+            name = "ngram_match" if s.method == "ngram" and "ngram_match" in accepted else s.method
+            speculative = {"method": name, "num_speculative_tokens": s.k}
+        parallel = {
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "use_sequence_parallel_moe": s.sequence_parallel_moe,
+        }
+        scheduler = {"max_num_seqs": s.max_num_seqs, "splitwise_role": s.splitwise_role}
+        try:
+            fd_config = config.FDConfig(
+                model_config=_ModelStandIn(),
+                cache_config=config.CacheConfig({}),
+                parallel_config=config.ParallelConfig(parallel),
+                scheduler_config=config.SchedulerConfig(scheduler),
+                graph_opt_config=config.GraphOptimizationConfig(graph),
+                speculative_config=config.SpeculativeConfig(speculative),
+                test_mode=True,
+            )
+        except AssertionError as error:
+            raise FastDeployRefused(str(error)) from None
+    goc = fd_config.graph_opt_config
+    prefill = getattr(goc, "cudagraph_capture_sizes_prefill", None)
+    derived = Derived(
+        capture_sizes=[int(size) for size in goc.cudagraph_capture_sizes],
+        capture_sizes_prefill=None if prefill is None else [int(size) for size in prefill],
+        real_shape_to_captured_size=_int_map(goc.real_shape_to_captured_size),
+        real_shape_to_captured_size_prefill=_int_map(
+            getattr(goc, "real_shape_to_captured_size_prefill", None)
+        ),
+        real_bsz_to_captured_size=_int_map(getattr(goc, "real_bsz_to_captured_size", None)),
+        use_cudagraph=bool(goc.use_cudagraph),
+        filtered=False,
+    )
+    return derived, bool(getattr(goc, "draft_model_use_cudagraph", False))
+
+
+def _int_map(mapping: object) -> dict[int, int]:
+    if not mapping:
+        return {}
+    return dict(sorted((int(key), int(value)) for key, value in mapping.items()))
