@@ -46,8 +46,9 @@ def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered
     assert len(summaries) == 1
     assert re.fullmatch(
         r"captured 3 graphs \(sizes 1\.\.4\) in \d+ ms, graph memory 224 B "
-        r"\(largest graph 128 B\), 2 warm-ups each; 16\.0 GiB of 16\.0 GiB free after capture; "
-        r"gpu_memory_utilization up to 0\.99 would fit \(now 0\.90, keeping 819\.2 MiB free\)",
+        r"\(largest graph 128 B\), 2 warm-ups each; 16\.0 GiB of 16\.0 GiB of the simulated device "
+        r"free after capture; gpu_memory_utilization up to 0\.9999 would fit \(now 0\.9, keeping "
+        r"819\.2 MiB free\)",
         summaries[0],
     )
     assert worker.current().session is None and worker.current().sessions_ended == 1

@@ -215,7 +215,11 @@ class _Server(threading.Thread):
             for event, _ in self.selector.select():
                 sock = event.fileobj
                 if sock is self.listener:
-                    conn, _ = self.listener.accept()
+                    try:
+                        conn, _ = self.listener.accept()
+                    except OSError:  # closed under us: the ranks already connected still count
+                        self.selector.unregister(sock)
+                        continue
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     conn.setblocking(True)
                     self.selector.register(conn, selectors.EVENT_READ)

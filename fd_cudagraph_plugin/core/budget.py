@@ -35,9 +35,19 @@ def margin(total: int) -> int:
 
 def fit_utilization(utilization: float, free: int, total: int) -> float:
     """The highest ``gpu_memory_utilization`` that leaves ``margin`` free after this capture: the
-    KV cache grows by what ``free`` holds beyond the margin. Two decimals, rounded down."""
+    KV cache grows by what ``free`` holds beyond the margin. Rounded down to four decimals (14 MiB
+    of a 140 GiB GPU), so the advice, applied, lands within that of the margin."""
     raw = utilization + (free - margin(total)) / total
-    return max(0.0, min(0.99, math.floor(raw * 100 + 1e-9) / 100))
+    return max(0.0, min(0.9999, _floor4(raw)))
+
+
+def _floor4(value: float) -> float:
+    return math.floor(value * 10_000 + 1e-6) / 10_000
+
+
+def share(value: float) -> str:
+    """A utilization as an operator pastes it: up to four decimals, no trailing zeros."""
+    return f"{value:.4f}".rstrip("0").rstrip(".")
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class RankMemory:
     free: int
     total: int
     utilization: float | None
+    #: The figures are of the simulated runtime's device (tests, the demo), not a GPU.
+    simulated: bool = False
 
     @classmethod
     def of(cls, payload: dict[str, Any]) -> RankMemory:
@@ -67,18 +79,21 @@ def memory_line(ranks: list[RankMemory], rank: int) -> str:
         return f"graph memory {human_bytes(mine.graph_bytes)} (device memory unknown)"
     tight = min(measured, key=lambda r: r.free)
     where = f" (tightest: rank {tight.rank})" if len(ranks) > 1 else ""
-    text = f"{human_bytes(tight.free)} of {human_bytes(tight.total)} free after capture{where}"
+    device = " of the simulated device" if tight.simulated else ""
+    text = (
+        f"{human_bytes(tight.free)} of {human_bytes(tight.total)}{device} free after capture{where}"
+    )
     if tight.utilization is None:
         return text
     fit = fit_utilization(tight.utilization, tight.free, tight.total)
     if tight.free < margin(tight.total):
         return (
             f"{text}, less than the {human_bytes(margin(tight.total))} margin: lower "
-            f"gpu_memory_utilization to {fit:.2f} (now {tight.utilization:.2f})"
+            f"gpu_memory_utilization to {share(fit)} (now {share(tight.utilization)})"
         )
     return (
-        f"{text}; gpu_memory_utilization up to {fit:.2f} would fit (now "
-        f"{tight.utilization:.2f}, keeping {human_bytes(margin(tight.total))} free)"
+        f"{text}; gpu_memory_utilization up to {share(fit)} would fit (now "
+        f"{share(tight.utilization)}, keeping {human_bytes(margin(tight.total))} free)"
     )
 
 
@@ -106,13 +121,15 @@ def oom_advice(
         per_graph = captured_bytes / graphs_done if graphs_done else 0
         needed = (graphs_planned - graphs_done) * per_graph
         short = max(needed - free, 0) + margin(total)
-        lower = math.floor((utilization - short / total) * 100) / 100
+        lower = _floor4(utilization - short / total)
         if lower <= 0:
             text += " Lower --gpu-memory-utilization,"
         elif graphs_done:
-            text += f" Lower --gpu-memory-utilization to {lower:.2f} (now {utilization:.2f}),"
+            text += f" Lower --gpu-memory-utilization to {share(lower)} (now {share(utilization)}),"
         else:  # nothing measured yet: the largest graph alone needs more than what was free
-            text += f" Lower --gpu-memory-utilization below {lower:.2f} (now {utilization:.2f}),"
+            text += (
+                f" Lower --gpu-memory-utilization below {share(lower)} (now {share(utilization)}),"
+            )
     else:
         text += " Lower --gpu-memory-utilization,"
     return (

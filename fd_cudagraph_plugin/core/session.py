@@ -537,6 +537,7 @@ class CaptureSession:
                 free=device[0] if device else 0,
                 total=device[1] if device else 0,
                 utilization=member.settings.gpu_memory_utilization,
+                simulated=not member.runtime.real_graphs,
             )
         )
 

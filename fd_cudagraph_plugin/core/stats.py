@@ -123,11 +123,22 @@ def human_bytes(count: int) -> str:
     return f"{count} B"
 
 
+def _eager(fallbacks: dict[str, int]) -> str:
+    """``3 eager steps (oversized decode 2, zero tokens 1)``, or ``no eager steps``."""
+    total = sum(fallbacks.values())
+    if not total:
+        return "no eager steps"
+    reasons = ", ".join(
+        f"{reason.replace('_', ' ')} {n}" for reason, n in sorted(fallbacks.items()) if n
+    )
+    return f"{total} eager step{'s' if total != 1 else ''} ({reasons})"
+
+
 def format_table(own: dict[str, Any], title: str) -> str:
     """A per-size table of one backend's ``stats()``: replays, padding, capture time, memory."""
     lines = [
         f"{title}: {own['captures']} captures, {sum(own['replays'].values())} replays, "
-        f"{own['padded_tokens']} padded tokens, eager fallbacks {own['eager_fallbacks'] or 0}",
+        f"{own['padded_tokens']} padded tokens, {_eager(own['eager_fallbacks'])}",
         f"{'size':>6} {'replays':>9} {'padded':>9} {'capture ms':>11} {'graph memory':>13}",
     ]
     sizes = sorted(set(own["replays"]) | set(own["capture_seconds"]))
