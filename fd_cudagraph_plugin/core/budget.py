@@ -57,9 +57,14 @@ class RankMemory:
     rank: int
     #: What this session's graphs took (the plugin's own count, per capture).
     graph_bytes: int
-    #: Device memory the driver counts as taken during the session beyond Paddle's allocator (the
-    #: graphs' own driver allocations), and the driver's free and total memory after it.
-    driver_extra_bytes: int
+    #: What the session took of the device as the driver counts it, from before its first
+    #: warm-up to its end: the graphs, and what the warm-ups and captures leave behind outside
+    #: them (allocator blocks cached from the warm-ups, the capture stream's library
+    #: workspaces, the graphs' own driver allocations). This, not ``graph_bytes``, is what must
+    #: fit beside the KV cache: 262 MiB where the graphs took 108 MiB (the harness's toy on an
+    #: H200, benchmarks/gpu). ``graph_bytes`` where the driver cannot say.
+    taken_bytes: int
+    #: The driver's free and total memory after the session.
     free: int
     total: int
     utilization: float | None
@@ -83,6 +88,8 @@ def memory_line(ranks: list[RankMemory], rank: int) -> str:
     text = (
         f"{human_bytes(tight.free)} of {human_bytes(tight.total)}{device} free after capture{where}"
     )
+    if mine.taken_bytes > mine.graph_bytes:  # what must fit beside the KV cache
+        text = f"{human_bytes(mine.taken_bytes)} taken in all; {text}"
     if tight.utilization is None:
         return text
     fit = fit_utilization(tight.utilization, tight.free, tight.total)

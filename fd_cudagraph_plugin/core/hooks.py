@@ -103,18 +103,28 @@ def probe(runner: Any, members: list[Any], why: str) -> budget.Reserve:
     took in the same pool for each further size estimates this plan's graph memory."""
     sizes = list(members[0].settings.capture_sizes)
     picks = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]}, reverse=True)
+    runtime = members[0].runtime
+    before = runtime.device_memory()
     with CaptureSession("probe", fd_config=runner.fd_config, runner=runner) as session:
         for size in picks:
             fastdeploy.dummy_decode_step(runner, size)
     by_size = {r.size: r.graph_bytes for r in session.report.records if r.role != "draft"}
-    members[0].clear_graph()  # releases every backend's graphs and the IPC handles
+    members[0].clear_graph()  # releases every backend's graphs and the IPC handles; empties
+    after = runtime.device_memory()  # the allocator's cache
+    if before is not None and after is not None:
+        # Kept past the release (library workspaces): the capture at this start will not take
+        # it again, a start without a probe will; the record adds it (session.py).
+        worker.current().probe_kept = max(before[0] - after[0], 0)
+    mine = next((m for m in session.report.memory if m.rank == session.rank), None)
+    beside = max(mine.taken_bytes - mine.graph_bytes, 0) if mine is not None else 0
     largest = by_size.get(sizes[0], 0)
     further = max((n for size, n in by_size.items() if size != sizes[0]), default=0)
-    estimate = largest + (len(sizes) - 1) * further
+    estimate = beside + largest + (len(sizes) - 1) * further
     return budget.Reserve(
         estimate,
         f"{why}; estimated from a probe capture of sizes {picks} ({human_bytes(largest)} for "
-        f"the largest, up to {human_bytes(further)} for each other size)",
+        f"the largest, up to {human_bytes(further)} for each other size, "
+        f"{human_bytes(beside)} beside the graphs)",
     )
 
 

@@ -469,7 +469,7 @@ class CaptureSession:
         self.members: list[Member] = []
         self._plan_checked = False
         #: The driver's (free, total) and Paddle's reserved bytes at the first capture.
-        self._device_before: tuple[Any, int] | None = None
+        self._device_before: tuple[int, int] | None = None
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
         self._collect_again = False
@@ -516,24 +516,23 @@ class CaptureSession:
         profile run), none existed at ``__enter__``: the plan is agreed again, with them."""
         if not self._plan_checked:
             self.check_plan()
-        if self._device_before is None:
-            self._device_before = (member.runtime.device_memory(), member.runtime.pool_bytes(None))
+        if self._device_before is None:  # before the first warm-up: it counts too
+            self._device_before = member.runtime.device_memory()
 
     def _my_memory(self) -> dict[str, Any] | None:
         """This rank's figures for the session end: None where no graph was captured."""
         if not self.members or self._device_before is None:
             return None
         member = self.members[0]
-        device = member.runtime.device_memory()
-        (before, reserved_before), reserved = self._device_before, member.runtime.pool_bytes(None)
-        extra = 0
+        device, before = member.runtime.device_memory(), self._device_before
+        taken = self.report.graph_bytes
         if device is not None and before is not None:
-            extra = max((before[0] - device[0]) - (reserved - reserved_before), 0)
+            taken = max(before[0] - device[0], taken)
         return asdict(
             budget.RankMemory(
                 rank=self.rank,
                 graph_bytes=self.report.graph_bytes,
-                driver_extra_bytes=extra,
+                taken_bytes=taken,
                 free=device[0] if device else 0,
                 total=device[1] if device else 0,
                 utilization=member.settings.gpu_memory_utilization,
@@ -598,12 +597,16 @@ class CaptureSession:
         """Record what this plan's graphs took on this rank (FD_CUDAGRAPH_KV_RESERVE=auto reads
         it at the next start), and warn where a reserve taken this start was short."""
         mine = next(m for m in self.report.memory if m.rank == self.rank)
-        taken = mine.graph_bytes + mine.driver_extra_bytes
+        taken = mine.taken_bytes
         state, settings = self.worker, self.members[0].settings
+        # A probe at this start already took part of what a start without one takes in this
+        # session (library workspaces, cached blocks): the record holds the whole.
+        recorded = taken + state.probe_kept
+        state.probe_kept = 0
         key = budget.plan_key(self.record_fingerprint())
         record = budget.Record.for_rank(_log_dir(), settings.dp_rank, settings.tp_rank)
         try:
-            record.store(key, taken, {"phase": self.phase, "graphs": self.report.graphs})
+            record.store(key, recorded, {"phase": self.phase, "graphs": self.report.graphs})
         except OSError as error:
             stats.output_failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, error)
         reserve = state.kv_reserve

@@ -33,6 +33,9 @@ class Worker:
         #: ``budget.Reserve``), and what the graphs took since, to warn when it was short.
         self.kv_reserve: Any = None
         self.graph_bytes_since_reserve = 0
+        #: What the probe of FD_CUDAGRAPH_KV_RESERVE=auto left taken on the device after its
+        #: graphs were released, added once to the next record (see ``hooks.probe``).
+        self.probe_kept = 0
         self.reserve_warned = False
 
     def add(self, backend: Any) -> None:

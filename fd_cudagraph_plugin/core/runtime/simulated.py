@@ -11,7 +11,10 @@ What it reproduces of a real CUDA graph, because the backend's correctness depen
   is given); a pool's bytes return only when its last graph is released, and releasing a pool
   that still holds graphs is an error. Tests read ``live_graphs``, ``pool_bytes`` and
   ``live_pools`` to prove nothing leaks. Scratch memory is not modelled: simulated figures count
-  output buffers only.
+  output buffers only, unless a test sets ``graph_overhead`` (per graph) or ``first_capture_keeps``
+  (what the first capture of a process takes outside every pool and keeps: on a GPU, the capture
+  stream's library workspaces and the allocator's blocks cached from the warm-ups, which the
+  allocator's reserved counter shows and no graph pool holds).
 
 * A failed capture leaves it unable to capture again, as Paddle is: ``cudaStreamEndCapture`` on an
   invalidated capture throws inside ``EndSegmentCapture`` before the graph is moved out, so
@@ -114,6 +117,10 @@ class SimulatedRuntime:
         #: Bytes each graph takes beyond its outputs (a real graph's scratch memory): 0 unless a
         #: test wants graphs that cost more than their outputs.
         self.graph_overhead = 0
+        #: Bytes the first capture of this process takes outside every graph pool and keeps
+        #: (see above): 0 unless a test sets it.
+        self.first_capture_keeps = 0
+        self._kept = 0
         #: The id of the graph being captured or replayed, else None: lets a stand-in custom
         #: all-reduce tell which graph a captured all-reduce belongs to.
         self.in_flight: int | None = None
@@ -153,8 +160,9 @@ class SimulatedRuntime:
                 raise self._failures.pop(0)
             tensors = output_tensors(outputs)
             nbytes = sum(_nbytes(t) for t in tensors) + self.graph_overhead
+            keeps = 0 if self.captures else self.first_capture_keeps
             free, _ = self.device_memory()
-            if nbytes > free:
+            if nbytes + keeps > free:
                 raise MemoryError(
                     f"CUDA error(2): out of memory (simulated: the graph needs {nbytes} bytes, "
                     f"{free} free)"
@@ -168,6 +176,7 @@ class SimulatedRuntime:
         if pool is None:
             pool = ("private-pool", next(self._pool_ids))
         self._pool_bytes[pool] = self._pool_bytes.get(pool, 0) + nbytes
+        self._kept += keeps
         self.live_graphs += 1
         self.captures += 1
         return SimulatedGraph(self, fn, tensors, pool, nbytes, graph_id), outputs
@@ -197,11 +206,12 @@ class SimulatedRuntime:
         self.other_used -= nbytes
 
     def device_memory(self) -> tuple[int, int]:
-        used = self.other_used + sum(self._pool_bytes.values())
+        used = self.other_used + self._kept + sum(self._pool_bytes.values())
         return self.device_total - used, self.device_total
 
     def pool_bytes(self, pool: object) -> int:
-        """Bytes held by ``pool``; with None, by every pool (what a device-wide counter shows)."""
+        """Bytes held by ``pool``; with None, the allocator's reserved counter: every pool and
+        what the first capture kept."""
         if pool is None:
-            return sum(self._pool_bytes.values())
+            return self._kept + sum(self._pool_bytes.values())
         return self._pool_bytes.get(pool, 0)
