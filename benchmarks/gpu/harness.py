@@ -1,0 +1,486 @@
+"""Shared set-up of the GPU measurements: the torch stand-in for Paddle, the stand-in FastDeploy
+modules, the two backends built as FastDeploy builds them, a toy decoder on persistent buffers,
+and device and timing helpers. ``python harness.py`` is run.sh's ``setup`` part.
+
+* FastDeploy's backend is read from the file ``$FD_HARNESS_FASTDEPLOY_BACKEND`` names
+  (``fastdeploy/model_executor/graph_optimization/cudagraph_piecewise_backend.py`` of a FastDeploy
+  checkout or install); this repository holds none of FastDeploy's code. Without it, every
+  comparison with FastDeploy is skipped and the run says so (``fastdeploy`` in its JSON line).
+* The plugin is registered through its ``fastdeploy.model_register_plugins`` entry point, as
+  FastDeploy's plugin loader does, and the class that ``register()`` binds in
+  ``graph_optimization_backend`` is built with ``(fd_config=, dy_runnable=, runnable=)``. Its
+  figures come from ``stats()``, ``capture_report`` and ``FD_CUDAGRAPH_MEMORY_REPORT``; a field
+  a refactor renamed is listed under ``surface_missing`` and the run goes on.
+
+``FD_HARNESS_CPU_DRY_RUN=1``: no-op graphs on the CPU and a tiny toy, to check the plumbing
+(figures mean nothing, replays return stale outputs).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+import types
+import warnings
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+DRY = os.environ.get("FD_HARNESS_CPU_DRY_RUN") == "1"
+FASTDEPLOY_BACKEND_ENV = "FD_HARNESS_FASTDEPLOY_BACKEND"
+ENTRY_POINT_GROUP = "fastdeploy.model_register_plugins"
+MiB = 2**20
+
+import fd_stubs  # noqa: E402
+import torch  # noqa: E402
+import torch_paddle_shim  # noqa: E402
+
+paddle = torch_paddle_shim.install(dry_run=DRY)
+fd_stubs.install()
+GPUModelRunner = fd_stubs.GPUModelRunner
+plain_capture_model = fd_stubs.plain_capture_model
+GOB = sys.modules[fd_stubs.BACKEND_MODULE]
+NATIVE = sys.modules[fd_stubs.NATIVE_MODULE]
+
+
+def _tqdm_stand_in() -> str:
+    """The plugin shows capture progress with tqdm (its one dependency). A machine with torch may
+    lack it; then a silent stand-in keeps the capture path the same, and runs say so."""
+    try:
+        import tqdm  # noqa: F401
+
+        return "installed"
+    except ImportError:
+        pass
+
+    class Bar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def update(self, n=1):
+            pass
+
+        def set_postfix_str(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    sys.modules["tqdm"] = types.ModuleType("tqdm")
+    sys.modules["tqdm"].tqdm = Bar
+    return "not installed: a silent stand-in (progress bars cost nothing here)"
+
+
+TQDM = _tqdm_stand_in()
+
+
+# ---------------------------------------------------------- FastDeploy's own backend
+
+
+def _load_fastdeploy_backend() -> tuple[type | None, str | None, str | None]:
+    """(class, why skipped, load error). Skipped: the variable is unset; an error: it names a
+    file that is missing or does not load."""
+    path = os.environ.get(FASTDEPLOY_BACKEND_ENV, "").strip()
+    if not path:
+        return (
+            None,
+            f"{FASTDEPLOY_BACKEND_ENV} not set: comparisons with FastDeploy's backend skipped "
+            f"(set it to the path of FastDeploy's cudagraph_piecewise_backend.py)",
+            None,
+        )
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        return None, None, f"{FASTDEPLOY_BACKEND_ENV}={path}: no such file"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().split("\n")
+        # A copy may carry its path in FastDeploy's tree as its first line.
+        if lines and lines[0].strip().endswith(".py") and " " not in lines[0].strip():
+            lines = lines[1:]
+        module = types.ModuleType("fastdeploy_cudagraph_piecewise_backend")
+        module.__file__ = path
+        sys.modules[module.__name__] = module  # dataclasses look their module up
+        exec(compile("\n".join(lines), path, "exec"), module.__dict__)
+        return module.CudaGraphPiecewiseBackend, None, None
+    except Exception as error:
+        return None, None, f"loading {path}: " + fmt_exc(error, 1500)
+
+
+def fmt_exc(error: BaseException, limit: int = 3000) -> str:
+    return "".join(traceback.format_exception(error))[-limit:]
+
+
+FASTDEPLOY_CLASS, FASTDEPLOY_SKIPPED, FASTDEPLOY_ERROR = _load_fastdeploy_backend()
+# FastDeploy's graph_optimization_backend imports its own class before any plugin loads.
+GOB.CudaGraphPiecewiseBackend = NATIVE.CudaGraphPiecewiseBackend = FASTDEPLOY_CLASS
+
+
+def fastdeploy_status() -> str:
+    """For a run's JSON line: "loaded <path>", "skipped: ..." or "error: ..."."""
+    if FASTDEPLOY_CLASS is not None:
+        return "loaded " + os.environ[FASTDEPLOY_BACKEND_ENV]
+    return f"skipped: {FASTDEPLOY_SKIPPED}" if FASTDEPLOY_SKIPPED else f"error: {FASTDEPLOY_ERROR}"
+
+
+# ---------------------------------------------------------- the plugin, loaded as FastDeploy does
+
+
+def entry_point_target() -> str:
+    """'module:function' of the plugin's entry point: from the installed metadata if the plugin is
+    installed, else from the checkout's setup.py."""
+    try:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.value.startswith("fd_cudagraph_plugin"):
+                return ep.value
+    except Exception:
+        pass
+    try:
+        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as handle:
+            text = handle.read()
+        found = re.search(
+            r"(fd_cudagraph_plugin[\w.]*\s*:\s*\w+)", text.split(ENTRY_POINT_GROUP)[1]
+        )
+        if found:
+            return re.sub(r"\s", "", found.group(1))
+    except (OSError, IndexError):
+        pass
+    return "fd_cudagraph_plugin.plugin:register"
+
+
+def register_plugin() -> type:
+    """Call the entry point as FastDeploy's loader does; return the class it bound."""
+    target = entry_point_target()
+    module, _, func = target.partition(":")
+    getattr(importlib.import_module(module), func)()
+    cls = GOB.CudaGraphPiecewiseBackend
+    if cls is None or cls is FASTDEPLOY_CLASS:
+        from fd_cudagraph_plugin.core import fastdeploy
+
+        why = fastdeploy.cuda_runtime_blocker() or "see stderr.log"
+        raise RuntimeError(f"{target}() bound no backend in graph_optimization_backend: {why}")
+    return cls
+
+
+def backend_class(kind: str) -> type:
+    """'fd': FastDeploy's backend; 'plugin': the class the plugin's register() binds."""
+    if kind == "fd":
+        if FASTDEPLOY_CLASS is None:
+            raise RuntimeError(FASTDEPLOY_ERROR or FASTDEPLOY_SKIPPED)
+        return FASTDEPLOY_CLASS
+    return register_plugin()
+
+
+def construct(cls: type, cfg, model):
+    """As FastDeploy 2.5+/develop's GraphOptBackend builds its backend. ``model``'s bound
+    ``__call__`` is the runnable, so the plugin finds the layer (``__self__``) it serves."""
+    runnable = getattr(model, "__call__", model)  # noqa: B004
+    return cls(fd_config=cfg, dy_runnable=runnable, runnable=runnable)
+
+
+def plugin_facts() -> dict:
+    """Where the plugin came from: it must be this checkout (run.sh puts it first on the path)."""
+    pkg = sys.modules.get("fd_cudagraph_plugin")
+    plugin_dir = os.path.dirname(getattr(pkg, "__file__", "") or "")
+    return {
+        "plugin_dir": plugin_dir,
+        "plugin_is_this_checkout": os.path.realpath(plugin_dir)
+        == os.path.realpath(os.path.join(ROOT, "fd_cudagraph_plugin")),
+        "plugin_version": getattr(pkg, "__version__", None),
+        "tqdm": TQDM,
+    }
+
+
+def _mib(count):
+    return None if count is None else round(count / MiB, 1)
+
+
+def _total(value):
+    return sum(value.values()) if isinstance(value, dict) else value
+
+
+def plugin_figures(backend, report_path=None, report_detail=True) -> tuple[dict, list[str]]:
+    """``stats()``, ``capture_report`` and the memory-report file, read defensively.
+    Returns (figures, the names that could not be read)."""
+    fig, missing = {}, []
+    try:
+        st = backend.stats()
+    except Exception as error:
+        st = None
+        missing.append(f"stats(): {type(error).__name__}: {error}"[:200])
+    if st is not None:
+
+        def pick(key, f=lambda v: v):
+            if key in st:
+                return f(st[key])
+            missing.append(f"stats()[{key!r}]")
+            return None
+
+        fig["plugin_stats"] = {
+            "captures": pick("captures"),
+            "replays_served": pick("replays", _total),
+            "replays_at_capture": _total((st.get("capture_time") or {}).get("replays")),
+            "eager_fallbacks": pick("eager_fallbacks"),
+            "padded_tokens": pick("padded_tokens"),
+            "graph_mib_total": pick("graph_bytes_total", _mib),
+            "largest_graph_mib": pick("largest_graph_bytes", _mib),
+            "pool_policy": pick("pool_policy"),
+        }
+    if report_detail:
+        rep = getattr(backend, "capture_report", None)
+        if rep is None:
+            missing.append("capture_report")
+        else:
+
+            def attr(name, f=lambda v: v):
+                try:
+                    value = getattr(rep, name)
+                    return f(value() if name == "summary" else value)
+                except Exception:
+                    missing.append(f"capture_report.{name}")
+                    return None
+
+            records = attr("records", list) or []
+            try:
+                per_size = {r.size: round(r.graph_bytes / MiB, 2) for r in records}
+                capture_ms = [round(r.seconds * 1e3, 1) for r in records[:3]]
+            except AttributeError:
+                missing.append("capture_report.records[].size/graph_bytes/seconds")
+                per_size, capture_ms = None, None
+            fig["plugin_report"] = {
+                "graphs": attr("graphs"),
+                "graph_mib": attr("graph_bytes", _mib),
+                "largest_graph_mib": attr("largest_graph_bytes", _mib),
+                "seconds": attr("seconds", lambda v: round(v, 3)),
+                "setup_seconds": attr("setup_seconds", lambda v: round(v, 4)),
+                "agreement_seconds": attr("agreement_seconds", lambda v: round(v, 4)),
+                "summary": attr("summary"),
+                "per_size_mib": per_size,
+                "capture_ms_first3": capture_ms,
+            }
+        if report_path:
+            try:
+                with open(report_path) as f:
+                    j = json.load(f)
+                fig["memory_report_file"] = {
+                    "graph_mib": _mib(j.get("graph_bytes")),
+                    "graphs": j.get("graphs"),
+                    "format": j.get("format"),
+                }
+            except Exception as error:
+                fig["memory_report_file"] = f"{type(error).__name__}: {error}"[:200]
+    return fig, missing
+
+
+def set_plugin_env(pool=None, self_check=None, memory_report=None) -> None:
+    """The plugin's options for this process (read at construction and per capture session)."""
+    os.environ["FD_CUDAGRAPH_RUNTIME"] = "cuda"
+    for key, value in (
+        ("POOL", pool),
+        ("SELF_CHECK", self_check),
+        ("MEMORY_REPORT", memory_report),
+    ):
+        if value:
+            os.environ["FD_CUDAGRAPH_" + key] = value
+        else:
+            os.environ.pop("FD_CUDAGRAPH_" + key, None)
+
+
+def plugin_env() -> dict:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FD_CUDAGRAPH_")}
+
+
+def emit(out: dict) -> None:
+    """One JSON line on stdout: what run.sh collects into results.jsonl."""
+    out.setdefault("dry_run", DRY)
+    print(json.dumps(out, default=str), flush=True)
+
+
+# ------------------------------------------------------------------ device helpers
+
+
+def sync() -> None:
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+def reserved() -> int:
+    return 0 if DRY else torch.cuda.memory_reserved()
+
+
+def allocated() -> int:
+    return 0 if DRY else torch.cuda.memory_allocated()
+
+
+def empty_cache() -> None:
+    if not DRY:
+        torch.cuda.empty_cache()
+
+
+def live_graphs() -> int:
+    """Graph objects alive in this process (on the GPU every torch CUDA graph, which pins its
+    pool until reset or freed; in the dry run the shim's captured no-op graphs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if DRY:
+            kind = torch_paddle_shim.DryGraph
+            return sum(1 for o in gc.get_objects() if isinstance(o, kind) and o._graph is not None)
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph))
+
+
+# ------------------------------------------------------------------ configs, model, inputs, timing
+
+
+def make_config(sizes, warmups=2, unique_pool=True):
+    return fd_stubs.make_fd_config(sizes, warmups=warmups, unique_pool=unique_pool)
+
+
+def default_sizes(max_bs=512) -> list[int]:
+    """FastDeploy's automatic capture list up to 512: 1, 2, 4, 8, then every 16 (36 sizes)."""
+    return [1, 2, 4, 8, *range(16, max_bs + 1, 16)]
+
+
+def model_dims(layers, hidden, inter):
+    """The toy's shape; in the dry run a tiny one (its figures mean nothing there anyway)."""
+    if DRY:
+        return min(layers, 2), 64, 128
+    return layers, hidden, inter
+
+
+class Toy:
+    """A toy decoder reading a persistent input buffer X (as a serving engine keeps its inputs).
+    layers=0: a single elementwise kernel (for dispatch timing)."""
+
+    def __init__(self, layers, hidden, inter, X, seed=0, dtype=torch.bfloat16):
+        g = torch.Generator(device=X.device).manual_seed(seed)
+        H, I = hidden, inter  # noqa: E741
+        self.X = X
+        shapes = ((H, 3 * H), (H, H), (H, I), (I, H))
+        self.W = [
+            tuple(torch.randn(*shape, dtype=dtype, generator=g) * 0.02 for shape in shapes)
+            for _ in range(layers)
+        ]
+
+    @staticmethod
+    def rms(h):
+        return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+
+    def __call__(self, forward_meta=None, **kw):
+        n = forward_meta.ids_remove_padding.shape[0]
+        h = self.X[:n]
+        if not self.W:
+            return h * 2
+        for wqkv, wo, w1, w2 in self.W:
+            r = h
+            q, k, v = (self.rms(h) @ wqkv).chunk(3, -1)
+            h = r + (torch.softmax(q * k, -1) * v) @ wo
+            r = h
+            h = r + torch.nn.functional.silu(self.rms(h) @ w1) @ w2
+        return h
+
+
+class Inputs:
+    """A persistent ids buffer and per-token-count kwargs, as GPUModelRunner passes them."""
+
+    def __init__(self, max_tokens):
+        self.ids = torch.zeros(max_tokens, dtype=torch.int64)
+        self._cache = {}
+
+    def kw(self, n):
+        kw = self._cache.get(n)
+        if kw is None:
+            view = self.ids[:n]
+            meta = SimpleNamespace(
+                ids_remove_padding=view,
+                exist_prefill=False,
+                seq_lens_this_time=None,
+                real_bsz=0,
+                step_use_cudagraph=True,
+            )
+            kw = self._cache[n] = {"ids_remove_padding": view, "forward_meta": meta}
+        return kw
+
+
+def step_time_us(fn, reps=None, warm=10) -> float:
+    reps = reps or (20 if DRY else 200)
+    for _ in range(warm):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def check_surface() -> dict:
+    """The Paddle calls of the plugin's CUDA runtime: does the shim provide each, and does
+    ``paddle_cuda()`` build from them?"""
+    found = {
+        name: torch_paddle_shim.resolve(paddle, name) is not None
+        for name in torch_paddle_shim.RUNTIME_CALLS
+    }
+    result = {"shim_runtime_calls": found, "errors": []}
+    missing = [name for name, ok in found.items() if not ok]
+    if missing:
+        result["errors"].append("shim lacks paddle." + ", paddle.".join(missing))
+    try:
+        from fd_cudagraph_plugin.core.runtime import cuda
+
+        api = cuda.paddle_cuda()
+        unset = [k for k, v in vars(api).items() if v is None]
+        result["paddle_cuda_unset"] = unset
+        if unset:
+            result["errors"].append(f"paddle_cuda() left {unset} unset")
+        result["cuda_graph_support"] = cuda.cuda_graph_support()
+    except Exception as error:
+        result["errors"].append("paddle_cuda(): " + fmt_exc(error, 1500))
+    return result
+
+
+if __name__ == "__main__":  # run.sh setup: can the plugin and FastDeploy's backend be loaded?
+    tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv[:-1] else "setup_check"
+    check = {"tag": tag, "fastdeploy": fastdeploy_status(), "errors": []}
+    if FASTDEPLOY_ERROR:
+        check["errors"].append("fastdeploy backend: " + FASTDEPLOY_ERROR)
+    surface = check_surface()
+    check["errors"] += surface.pop("errors")
+    check.update(surface)
+    check["entry_point"] = entry_point_target()
+    set_plugin_env()
+    try:
+        cls = register_plugin()
+        check["plugin_class"] = f"{cls.__module__}.{cls.__name__}"
+        check.update(plugin_facts())
+        if not check["plugin_is_this_checkout"]:
+            check["errors"].append(
+                f"the plugin was imported from {check['plugin_dir']}, not {ROOT}"
+            )
+        wrapped = hasattr(GPUModelRunner.capture_model, "_fd_cudagraph_original")
+        check["runner_capture_model_wrapped"] = wrapped
+        if not wrapped:
+            check["errors"].append("register() did not wrap GPUModelRunner.capture_model")
+    except Exception as error:
+        check["errors"].append("register: " + fmt_exc(error))
+    check["torch"] = torch.__version__
+    check["device"] = (
+        "cpu (dry run)"
+        if DRY
+        else (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    )
+    emit(check)
+    sys.exit(1 if check["errors"] else 0)
