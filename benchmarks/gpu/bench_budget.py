@@ -19,7 +19,7 @@ JSON line with every start's result:
 The stand-in worker does the arithmetic of FastDeploy's ``GpuWorker.determine_available_memory()``
 (2.4 through develop, gpu_worker.py) on torch's counters: ``total * utilization - used after the
 profile run and empty_cache - max_allocated increase over the profile run + the profile's KV
-blocks``; ``used`` and ``total`` come from cudaMemGetInfo, as NVML gives them for one process.
+blocks``; ``used`` and ``total`` are NVML's, as FastDeploy reads them (pynvml).
 The KV cache is then one tensor of whole blocks, as FastDeploy allocates its cache before
 ``capture_model()``. Nothing here is FastDeploy's code.
 """
@@ -88,10 +88,24 @@ def one_start() -> dict:
             self.model_runner.profile_run()
             peak_increase = torch.cuda.max_memory_allocated() - allocated_before
             torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
+            used, total = driver_memory()
             available = total * self.cache_config.gpu_memory_utilization - used - peak_increase
             return int(available + block * self.cache_config.total_block_num)
+
+    def driver_memory() -> tuple[int, int]:
+        """(used, total) as FastDeploy reads them: NVML's, whose total is the whole device
+        (614 MiB more than cudaMemGetInfo's on the H200); cudaMemGetInfo where NVML is missing."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+            out["memory_source"] = "nvml"
+            return int(info.used), int(info.total)
+        except Exception:
+            free, total = torch.cuda.mem_get_info()
+            out["memory_source"] = "cudaMemGetInfo (no NVML)"
+            return total - free, total
 
     module = types.ModuleType("fastdeploy.worker.gpu_worker")
     module.GpuWorker = GpuWorker
@@ -166,6 +180,8 @@ def one_start() -> dict:
     try:
         torch.cuda.synchronize()
         out["free_after_capture_mib"] = round(torch.cuda.mem_get_info()[0] / MiB, 1)
+        used, total = driver_memory()  # the free memory the plugin's advice aims at
+        out["driver_free_after_capture_mib"] = round((total - used) / MiB, 1)
         out["cuda_usable_after"] = bool((torch.ones(4) * 2).sum().item() == 8)
     except Exception as error:
         out["cuda_usable_after"] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -237,7 +253,7 @@ def drive() -> dict:
     fit_run = starts.get("plugin_fit", {})
     if fit_run.get("captured"):
         out["fit_free_minus_margin_mib"] = round(
-            fit_run["free_after_capture_mib"] - fit_run["margin_mib"], 1
+            fit_run["driver_free_after_capture_mib"] - fit_run["margin_mib"], 1
         )
     a1, a2 = starts["plugin_auto_1"], starts["plugin_auto_2"]
     if a1.get("captured") and a2.get("captured"):
