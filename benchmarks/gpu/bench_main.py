@@ -76,17 +76,11 @@ def plugin_figures(**kw):
 
 
 def finish():
-    if missing:
-        out["surface_missing"] = sorted(missing)
-    H.emit(out)
-    sys.exit(1 if out["errors"] else 0)
+    H.finish(out, missing)
 
 
 if args.backend == "fd":
-    out["fastdeploy"] = H.fastdeploy_status()
-    if H.FASTDEPLOY_CLASS is None and H.FASTDEPLOY_SKIPPED:
-        out["skipped"] = H.FASTDEPLOY_SKIPPED
-        finish()
+    H.skip_without_fastdeploy(out, finish)
 try:
     cls = H.backend_class(args.backend)
 except Exception as error:

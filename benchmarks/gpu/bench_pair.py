@@ -51,17 +51,11 @@ missing = set()
 
 
 def finish():
-    if missing:
-        out["surface_missing"] = sorted(missing)
-    H.emit(out)
-    sys.exit(1 if out["errors"] else 0)
+    H.finish(out, missing)
 
 
 if args.backend == "fd":
-    out["fastdeploy"] = H.fastdeploy_status()
-    if H.FASTDEPLOY_CLASS is None and H.FASTDEPLOY_SKIPPED:
-        out["skipped"] = H.FASTDEPLOY_SKIPPED
-        finish()
+    H.skip_without_fastdeploy(out, finish)
 if args.shared:  # every backend gets the same pool id
     pool_id = H.paddle.base.core.CUDAGraph.gen_new_memory_pool_id()
     H.paddle.base.core.CUDAGraph.gen_new_memory_pool_id = staticmethod(lambda: pool_id)

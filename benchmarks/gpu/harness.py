@@ -306,6 +306,22 @@ def emit(out: dict) -> None:
     print(json.dumps(out, default=str), flush=True)
 
 
+def finish(out: dict, missing: set[str]) -> None:
+    """Emit ``out`` (with the plugin fields that could not be read) and exit: 1 on errors."""
+    if missing:
+        out["surface_missing"] = sorted(missing)
+    emit(out)
+    sys.exit(1 if out["errors"] else 0)
+
+
+def skip_without_fastdeploy(out: dict, finish) -> None:
+    """A run of FastDeploy's backend says whether the backend loaded; without it, it is skipped."""
+    out["fastdeploy"] = fastdeploy_status()
+    if FASTDEPLOY_CLASS is None and FASTDEPLOY_SKIPPED:
+        out["skipped"] = FASTDEPLOY_SKIPPED
+        finish()
+
+
 # ------------------------------------------------------------------ device helpers
 
 
