@@ -36,6 +36,7 @@ FAULTS = (
     "self-check-error",
     "self-check-warn",
     "never-joins",
+    "kv-record-missing",
 )
 TWO_RANKS = (
     "equal-plans",
@@ -248,3 +249,13 @@ def test_four_ranks_stop_together_when_one_runs_out_of_memory_in_a_capture(four)
     message = _every_rank_raised_the_same(four["capture-oom@2"])
     assert "capture failed on tensor-parallel rank 2 of 4 for decode size 4" in message
     assert OOM in message
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_agree_to_probe_when_one_ranks_graph_memory_record_is_gone(two, rank):
+    # Before FastDeploy's MIN all-reduce of the KV block count: a rank probing alone would wait
+    # at the probe's agreement points while the others went on into that all-reduce.
+    facts = two[f"kv-record-missing@{rank}"]
+    assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
+    assert [f["captures"] for f in facts] == [3 + 4, 3 + 4], facts  # every rank probed
+    assert all(f["seconds"] < SCENARIO_LIMIT_S for f in facts), facts

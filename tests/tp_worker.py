@@ -297,6 +297,50 @@ def fails_between_backend_calls(rank: Rank) -> dict[str, Any]:
     return _facts(capture(config, runner_cls=SamplerFails))
 
 
+@scenario("kv-record-missing")
+def kv_record_missing(rank: Rank) -> dict[str, Any]:
+    """FD_CUDAGRAPH_KV_RESERVE=auto at a second start where the faulty rank's record is gone (a
+    new disk, a cleaned log directory): whether to probe is that rank's own finding, and
+    FastDeploy's MIN all-reduce of the KV block count follows the memory profile, so the ranks
+    must agree on it first."""
+    import tempfile
+
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+    from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
+
+    from fd_cudagraph_plugin.core import budget
+
+    def start() -> Any:
+        from conftest import DecoratedMixing
+
+        config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+        config.cache_config.gpu_memory_utilization = 0.9
+        model = DecoratedMixing(fd_config=config)
+        runner = GPUModelRunner(config, model)
+        initialize_kv_cache(GpuWorker(config, runner))
+        runner.capture_model()
+        return model.graph_opt_backend.cudagraph_piecewise_backend
+
+    log_dir = tempfile.mkdtemp(prefix=f"fdcg-kv-rank{rank.index}-")
+    with (
+        _env("FD_CUDAGRAPH_KV_RESERVE", "auto"),
+        _env("FD_LOG_DIR", log_dir),
+        _env("FD_CUDAGRAPH_RANK_TIMEOUT", "5"),
+    ):
+        start()
+        _fresh_worker(rank, "kv-record-missing-second-start")
+        if rank.faulty:
+            os.remove(budget.Record.for_rank(log_dir, 0, rank.index).path)
+        backend = start()
+    from fd_cudagraph_plugin.core import worker
+
+    return {
+        **_facts(backend),
+        "captures": backend.captures,
+        "reserve": worker.current().kv_reserve.source,
+    }
+
+
 @scenario("never-joins")
 def never_joins(rank: Rank) -> dict[str, Any]:
     """The faulty rank never starts capture_model() (it died, or runs without the plugin)."""

@@ -195,7 +195,7 @@ class Capturer:
             )
 
     def _dump_dot(self, owner: object, entry: GraphEntry) -> None:
-        directory = os.path.join(os.environ.get("FD_LOG_DIR", "log"), "GraphDotFiles")
+        directory = os.path.join(stats.log_dir(), "GraphDotFiles")
         path = os.path.join(directory, f"backend{id(owner):x}_{entry.phase}{entry.size}")
         try:
             os.makedirs(directory, exist_ok=True)

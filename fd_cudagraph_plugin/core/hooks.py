@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core import budget, fastdeploy, worker
+from fd_cudagraph_plugin.core import budget, fastdeploy, stats, worker
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.session import CaptureSession, record_fingerprint
 from fd_cudagraph_plugin.core.stats import human_bytes
@@ -68,7 +68,7 @@ def _reserving(method: Callable) -> Callable:
 
 
 def auto_reserve(runner: Any) -> budget.Reserve:
-    """``auto``: what this plan's graphs took on this rank at the last start, read from the
+    """``auto``: what this plan's capture took on this rank at the last start, read from the
     record; else a probe capture's estimate (plain decode); else nothing, and the next start
     reserves what this one measures. Runs inside the profile run: the backends exist."""
     members = worker.current().backends()
@@ -76,7 +76,7 @@ def auto_reserve(runner: Any) -> budget.Reserve:
         return budget.Reserve(0, "the profile run built no CUDA graph backend")
     settings = members[0].settings
     phases = ("prefill", "decode") if settings.static_split else ("decode",)
-    record = budget.Record.for_rank(_log_dir(), settings.dp_rank, settings.tp_rank)
+    record = budget.Record.for_rank(stats.log_dir(), settings.dp_rank, settings.tp_rank)
     total, why = 0, []
     for phase in phases:
         nbytes, source = record.lookup(budget.plan_key(record_fingerprint(members, phase)))
@@ -84,54 +84,53 @@ def auto_reserve(runner: Any) -> budget.Reserve:
             why.append(source)
         else:
             total += nbytes
-    if not why:
-        return budget.Reserve(total, f"{source}, from {record.path}")
+    recorded = None if why else budget.Reserve(total, f"{source}, from {record.path}")
     plain = settings.mode == "dynamic" and not settings.speculative_method
-    if plain and not settings.only_prefill:
-        return probe(runner, members, why[0])
-    return budget.Reserve(
-        0,
-        f"{why[0]}, and no probe in {settings.mode} mode with speculative method "
-        f"{settings.speculative_method}: nothing reserved at this start; the next start with "
-        f"this plan reserves what this one measures",
-    )
-
-
-def probe(runner: Any, members: list[Any], why: str) -> budget.Reserve:
-    """Capture the largest, a middle and the smallest decode size (in a session, so every rank
-    does it alike), then release them: the largest graph plus what the bigger of the two others
-    took in the same pool for each further size estimates this plan's graph memory."""
-    sizes = list(members[0].settings.capture_sizes)
+    sizes = list(settings.capture_sizes)
     picks = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]}, reverse=True)
-    runtime = members[0].runtime
-    before = runtime.device_memory()
+    runtime, before = members[0].runtime, None
+    # Records are per rank, and FastDeploy's MIN all-reduce of the KV block count follows this
+    # profile: whether to probe is agreed, so that no rank probes (and waits) alone.
     with CaptureSession("probe", fd_config=runner.fd_config, runner=runner) as session:
-        for size in picks:
-            fastdeploy.dummy_decode_step(runner, size)
-    by_size = {r.size: r.graph_bytes for r in session.report.records if r.role != "draft"}
+        lacking = any(session.points.share("record", None, None, lambda: recorded is None))
+        probing = lacking and plain and not settings.only_prefill
+        if probing:
+            before = runtime.device_memory()
+            for size in picks:
+                fastdeploy.dummy_decode_step(runner, size)
+    if not probing:
+        return recorded or budget.Reserve(
+            0,
+            f"{why[0]}, and no probe in {settings.mode} mode with speculative method "
+            f"{settings.speculative_method}: nothing reserved at this start; the next start "
+            f"with this plan reserves what this one measures",
+        )
     members[0].clear_graph()  # releases every backend's graphs and the IPC handles; empties
     after = runtime.device_memory()  # the allocator's cache
     if before is not None and after is not None:
         # Kept past the release (library workspaces): the capture at this start will not take
         # it again, a start without a probe will; the record adds it (session.py).
         worker.current().probe_kept = max(before[0] - after[0], 0)
+    if recorded is not None:  # another rank lacked its record; this one keeps its own
+        return recorded
+    return _estimate(session, sizes, picks, why[0])
+
+
+def _estimate(session: CaptureSession, sizes: list[int], picks: list[int], why: str):
+    """The probe's estimate of this plan's graph memory: the largest graph plus what the bigger
+    of the two others took in the same pool for each further size, plus what the probe's
+    session took beside its graphs."""
+    by_size = {r.size: r.graph_bytes for r in session.report.records if r.role != "draft"}
     mine = next((m for m in session.report.memory if m.rank == session.rank), None)
     beside = max(mine.taken_bytes - mine.graph_bytes, 0) if mine is not None else 0
     largest = by_size.get(sizes[0], 0)
     further = max((n for size, n in by_size.items() if size != sizes[0]), default=0)
-    estimate = beside + largest + (len(sizes) - 1) * further
     return budget.Reserve(
-        estimate,
+        beside + largest + (len(sizes) - 1) * further,
         f"{why}; estimated from a probe capture of sizes {picks} ({human_bytes(largest)} for "
         f"the largest, up to {human_bytes(further)} for each other size, "
         f"{human_bytes(beside)} beside the graphs)",
     )
-
-
-def _log_dir() -> str:
-    import os
-
-    return os.environ.get("FD_LOG_DIR", "log")
 
 
 def install() -> bool:

@@ -468,7 +468,7 @@ class CaptureSession:
         self.report: CaptureReport | None = None
         self.members: list[Member] = []
         self._plan_checked = False
-        #: The driver's (free, total) and Paddle's reserved bytes at the first capture.
+        #: The driver's (free, total) before the first capture's warm-ups.
         self._device_before: tuple[int, int] | None = None
         self._bars: dict[tuple[str, str], Any] = {}
         self._started = 0.0
@@ -574,6 +574,8 @@ class CaptureSession:
             self.report.seconds = time.perf_counter() - self._started
 
     def _finish(self) -> None:
+        if self.phase == "probe" and not self.report.records:
+            return  # every rank had its record: nothing was probed
         logger.info("%s", self.report.summary())
         for member in self.members:
             member.capture_report = self.report
@@ -604,7 +606,7 @@ class CaptureSession:
         recorded = taken + state.probe_kept
         state.probe_kept = 0
         key = budget.plan_key(self.record_fingerprint())
-        record = budget.Record.for_rank(_log_dir(), settings.dp_rank, settings.tp_rank)
+        record = budget.Record.for_rank(stats.log_dir(), settings.dp_rank, settings.tp_rank)
         try:
             record.store(key, recorded, {"phase": self.phase, "graphs": self.report.graphs})
         except OSError as error:
@@ -723,10 +725,6 @@ def record_fingerprint(members: list[Member], phase: str) -> dict[str, Any]:
         for key, value in member.plan_fingerprint().items():
             fingerprint[f"backend{index}.{key}"] = value
     return fingerprint
-
-
-def _log_dir() -> str:
-    return os.environ.get("FD_LOG_DIR", "log")
 
 
 def plan_diff(fingerprints: list[dict]) -> list[str]:

@@ -61,6 +61,12 @@ class Ranks(Protocol):
     dp_size: int
 
 
+def log_dir() -> str:
+    """FastDeploy's log directory (``FD_LOG_DIR``, FastDeploy's default ``log``): where the
+    graph-memory record and the dot files go."""
+    return os.environ.get("FD_LOG_DIR", "log")
+
+
 def output_path(template: str, ranks: Ranks | None = None) -> str:
     """The file this process writes for FD_CUDAGRAPH_MEMORY_REPORT or FD_CUDAGRAPH_STATS_FILE.
 

@@ -6,7 +6,9 @@ the profile KV cache's bytes`` (gpu_worker.py); the device is the plugin's simul
 whose ``device_memory()`` plays NVML. The profile's peak increase is its KV cache alone here:
 the stand-in's dummy runs allocate no activations on that device. ``initialize_kv_cache`` is what
 ``worker_process.initialize_kv_cache`` does with the answer: blocks of the runner's
-``block_bytes``, then ``initialize_cache`` (with ``num_gpu_blocks_override``, no profile run).
+``block_bytes``, reduced with MIN over the job's ranks as upstream does (an ``all_reduce`` over the
+default group, 2.4 through develop), then ``initialize_cache`` (with ``num_gpu_blocks_override``, no
+profile run).
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def initialize_kv_cache(worker: GpuWorker) -> int:
         blocks = int(worker.determine_available_memory() // worker.cal_theortical_kvcache())
         if blocks <= 0:
             raise ValueError(f"Not enough memory for the KV cache: {blocks} blocks")
+        import paddle
+        import paddle.distributed as dist
+
+        if dist.get_world_size() > 1:  # a collective every rank must reach
+            local = paddle.full(shape=[1], fill_value=blocks, dtype="int32")
+            dist.all_reduce(local, op=dist.ReduceOp.MIN)
+            blocks = int(local.item())
     else:
         blocks = override
     worker.initialize_cache(num_gpu_blocks=blocks)
