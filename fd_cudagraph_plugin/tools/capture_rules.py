@@ -33,6 +33,13 @@ from dataclasses import dataclass
 DECODE_CAP = 512
 #: ``SpeculativeConfig.check_legality_parameters`` asserts k in 1..5 for every method but naive.
 MAX_SPECULATIVE_TOKENS = 5
+
+
+def bad_k(k: object) -> bool:
+    """Not a ``num_speculative_tokens`` FastDeploy accepts (an integer in 1..5)."""
+    return isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS
+
+
 #: FastDeploy sets no bound on ``max_capture_shape_prefill``, but its prefill padding map holds one
 #: entry per token up to it in every process; past this the plan (which prints that map) refuses
 #: rather than allocate gigabytes. It is 8x the V1 scheduler's default ``max_num_batched_tokens``.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from fd_cudagraph_plugin.core import fastdeploy
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.core.stats import format_table
 
@@ -79,12 +80,15 @@ def build_model(vocab: int = 512, hidden: int = 64, layers: int = 4):
     return model
 
 
-def build_fd_config(sizes: list[int], max_num_seqs: int, warmups: int = 2) -> Any:
+WARMUPS = 2  # FastDeploy's default cudagraph_num_of_warmups
+
+
+def build_fd_config(sizes: list[int], max_num_seqs: int) -> Any:
     """FastDeploy's ``FDConfig`` when it is installed, else an object with the same fields."""
     try:
-        return _fastdeploy_config(sizes, max_num_seqs, warmups)
+        return _fastdeploy_config(sizes, max_num_seqs, WARMUPS)
     except Exception:  # not installed, or a FastDeploy whose FDConfig wants more than a demo has
-        return _equivalent_config(sizes, max_num_seqs, warmups)
+        return _equivalent_config(sizes, max_num_seqs, WARMUPS)
 
 
 def _fastdeploy_config(sizes: list[int], max_num_seqs: int, warmups: int) -> Any:
@@ -144,11 +148,8 @@ def _equivalent_config(sizes: list[int], max_num_seqs: int, warmups: int) -> Any
 
 
 def _meta_class():
-    try:
-        from fastdeploy.model_executor.forward_meta import ForwardMeta
-    except ImportError:
-        return DemoMeta
-    return ForwardMeta
+    module = fastdeploy.import_or_none(fastdeploy.FORWARD_META_MODULE)
+    return getattr(module, "ForwardMeta", DemoMeta)
 
 
 def run_demo(

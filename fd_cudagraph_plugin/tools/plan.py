@@ -38,6 +38,7 @@ from fd_cudagraph_plugin.tools.capture_rules import (
     Derived,
     Release,
     ServingSettings,
+    bad_k,
 )
 from fd_cudagraph_plugin.tools.installed import (
     FastDeployRefused,
@@ -182,7 +183,7 @@ class Plan:
 # ------------------------------------------------------------------ validation
 
 
-def _check_count(flag: str, value: object, minimum: int, maximum: int | None = None) -> int:
+def check_count(flag: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"{flag} must be an integer >= {minimum}; got {value!r}.")
     if maximum is not None and value > maximum:
@@ -232,7 +233,7 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
         return 0
     if k is None:
         return 1
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+    if bad_k(k):
         raise ConfigError(
             f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} for "
             f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {k!r}."
@@ -242,17 +243,17 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
 
 def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
     """The settings as FastDeploy would take them, or a ``ConfigError`` naming the flag."""
-    max_num_seqs = _check_count("--max-num-seqs", inputs.max_num_seqs, 1)
+    max_num_seqs = check_count("--max-num-seqs", inputs.max_num_seqs, 1)
     if max_num_seqs > release.max_num_seqs:
         raise ConfigError(
             f"--max-num-seqs must be at most {release.max_num_seqs} on FastDeploy "
             f"{release.name} (FDConfig.check asserts max_num_seqs <= {release.max_num_seqs}); "
             f"got {max_num_seqs}."
         )
-    tp = _check_count(
+    tp = check_count(
         "--tensor-parallel-size", inputs.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE
     )
-    prefill_cap = _check_count(
+    prefill_cap = check_count(
         "--max-capture-shape-prefill", inputs.prefill_shape, 1, MAX_PREFILL_SHAPE
     )
     if inputs.splitwise_role not in SPLITWISE_ROLES:
@@ -700,7 +701,7 @@ def _describe_backend(
     return BackendPlan(name, len(decode), 0, decode_text, "eager")
 
 
-def _graphs(count: int) -> str:
+def graphs_phrase(count: int) -> str:
     return f"{count} graph{'' if count == 1 else 's'}"
 
 
@@ -770,7 +771,7 @@ def format_plan(plan: Plan) -> str:
     lines.append("graphs per backend:")
     for backend in plan.backends:
         lines.append(
-            f"  {backend.name}: {_graphs(backend.graphs)} ({backend.decode_graphs} decode, "
+            f"  {backend.name}: {graphs_phrase(backend.graphs)} ({backend.decode_graphs} decode, "
             f"{backend.prefill_graphs} prefill)"
         )
         lines.append(f"    decode steps: {backend.decode}")

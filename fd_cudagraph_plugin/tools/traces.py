@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
 from fd_cudagraph_plugin.core.stats import STATS_FORMAT
-from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS
+from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS, bad_k
 
 _HEX_ID = re.compile(r"(0x)?[0-9a-fA-F]+")
 _DIGITS = re.compile(r"[0-9]+")
@@ -249,7 +249,3 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
     method = record.get("speculative_method")
     if method:
         histogram.speculative_methods.add(str(method)[:40])
-
-
-def bad_k(k: object) -> bool:
-    return isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS

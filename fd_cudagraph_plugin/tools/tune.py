@@ -49,9 +49,16 @@ from fd_cudagraph_plugin.tools.capture_rules import (
     MAX_SPECULATIVE_TOKENS,
     RULES,
     Release,
+    bad_k,
 )
-from fd_cudagraph_plugin.tools.plan import PlanInput, derive_plan, release_rules
-from fd_cudagraph_plugin.tools.traces import TraceError, bad_k
+from fd_cudagraph_plugin.tools.plan import (
+    PlanInput,
+    check_count,
+    derive_plan,
+    graphs_phrase,
+    release_rules,
+)
+from fd_cudagraph_plugin.tools.traces import TraceError
 
 
 def padded_tokens(sizes: Iterable[int], histogram: Mapping[int, int]) -> int:
@@ -241,8 +248,7 @@ def tune(
     out of both totals and reported; so are 0-token steps. ``fastdeploy_version`` picks the
     release's rules (None: the installed FastDeploy's, else develop).
     """
-    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-        raise ConfigError(f"--max-graphs must be an integer >= 1; got {max_graphs!r}.")
+    check_count("--max-graphs", max_graphs, 1)
     release = release_rules(fastdeploy_version)
     # The decode cap is min(512, max_num_seqs) with FDConfig.check's max_num_seqs limit
     # (config.py), so larger counts run eagerly under any list.
@@ -374,9 +380,9 @@ def format_result(result: TuneResult) -> str:
     else:
         change = "the same" if result.padded_tokens == 0 else "the default list pads none"
     lines += [
-        f"tuned   ({_graphs(len(tuned))}): {', '.join(map(str, tuned))}",
-        f"default ({_graphs(len(baseline))}, FastDeploy {result.fastdeploy_version}'s list for "
-        f"max_num_seqs={result.max_size}): {', '.join(map(str, baseline))}",
+        f"tuned   ({graphs_phrase(len(tuned))}): {', '.join(map(str, tuned))}",
+        f"default ({graphs_phrase(len(baseline))}, FastDeploy {result.fastdeploy_version}'s list "
+        f"for max_num_seqs={result.max_size}): {', '.join(map(str, baseline))}",
         f"padded tokens: tuned {result.padded_tokens} ({per_step(result.padded_tokens)}), "
         f"default {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
         f"{change}",
@@ -385,7 +391,3 @@ def format_result(result: TuneResult) -> str:
     ]
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
-
-
-def _graphs(count: int) -> str:
-    return f"{count} graph{'' if count == 1 else 's'}"
