@@ -174,6 +174,10 @@ def test_the_record_holds_what_the_session_took_beside_the_graphs_and_the_next_s
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", first)
     backend, _ = start(0.80 if first == "off" else 0.98)
     graphs = backend.capture_report.graph_bytes
+    if first == "auto":  # the probe's estimate counts what its session took beside its graphs
+        reserve = worker.current().kv_reserve
+        assert reserve.nbytes == kept + GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4
+        assert "30.0 MiB beside the graphs" in reserve.source
     assert graphs == 4 * GRAPH + sum(s * 8 * 4 for s in (8, 4, 2, 1))
     restart(device)
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")

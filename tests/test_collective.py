@@ -37,6 +37,7 @@ FAULTS = (
     "self-check-warn",
     "never-joins",
     "kv-record-missing",
+    "less-free-memory",
 )
 TWO_RANKS = (
     "equal-plans",
@@ -259,3 +260,13 @@ def test_ranks_agree_to_probe_when_one_ranks_graph_memory_record_is_gone(two, ra
     assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
     assert [f["captures"] for f in facts] == [3 + 4, 3 + 4], facts  # every rank probed
     assert all(f["seconds"] < SCENARIO_LIMIT_S for f in facts), facts
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_ranks_summary_names_the_rank_with_the_least_free_memory(two, rank):
+    facts = two[f"less-free-memory@{rank}"]
+    assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
+    summaries = [f["summary"].split(" in ", 1)[1] for f in facts]  # past the session's time
+    assert summaries[0].split("; ", 1)[1] == summaries[1].split("; ", 1)[1], summaries
+    assert all(f"free after capture (tightest: rank {rank})" in s for s in summaries), summaries
+    assert all("15.0 GiB of 16.0 GiB" in s for s in summaries), summaries

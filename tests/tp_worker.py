@@ -341,6 +341,18 @@ def kv_record_missing(rank: Rank) -> dict[str, Any]:
     }
 
 
+@scenario("less-free-memory")
+def less_free_memory(rank: Rank) -> dict[str, Any]:
+    """The faulty rank's device has 1 GiB less free: every rank's summary names it as the
+    tightest, with its figures."""
+    from fd_cudagraph_plugin.core import runtime
+
+    if rank.faulty:
+        runtime.get_runtime("simulated").allocate(1 << 30)
+    backend = capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1]))
+    return {**_facts(backend), "summary": backend.capture_report.summary()}
+
+
 @scenario("never-joins")
 def never_joins(rank: Rank) -> dict[str, Any]:
     """The faulty rank never starts capture_model() (it died, or runs without the plugin)."""
