@@ -622,8 +622,8 @@ class CaptureSession:
                     stats.human_bytes(taken),
                 )
             return
-        state.graph_bytes_since_reserve += taken
-        if state.graph_bytes_since_reserve > reserve.nbytes and not state.reserve_warned:
+        state.taken_since_reserve += taken
+        if state.taken_since_reserve > reserve.nbytes and not state.reserve_warned:
             state.reserve_warned = True
             logger.warning(
                 "FD_CUDAGRAPH_KV_RESERVE reserved %s (%s) for this rank's graphs, but they took "
@@ -631,8 +631,8 @@ class CaptureSession:
                 "for the next start.",
                 stats.human_bytes(reserve.nbytes),
                 reserve.source,
-                stats.human_bytes(state.graph_bytes_since_reserve),
-                stats.human_bytes(state.graph_bytes_since_reserve - reserve.nbytes),
+                stats.human_bytes(state.taken_since_reserve),
+                stats.human_bytes(state.taken_since_reserve - reserve.nbytes),
             )
 
     def record_fingerprint(self) -> dict[str, Any]:
@@ -652,10 +652,8 @@ class CaptureSession:
             "self_check": self.options.self_check,
             "custom_allreduce": fastdeploy.custom_allreduce() is not None,
             "backends": len(self.members),
+            **_backends_plan(self.members),
         }
-        for index, member in enumerate(self.members):
-            for key, value in member.plan_fingerprint().items():
-                mine[f"backend{index}.{key}"] = value
         everyone = self.points.share("plan", None, None, lambda: mine)
         diff = plan_diff(everyone)
         if diff:
@@ -714,17 +712,23 @@ class CaptureSession:
 
 def record_fingerprint(members: list[Member], phase: str) -> dict[str, Any]:
     settings = members[0].settings
-    fingerprint: dict[str, Any] = {
+    return {
         "phase": phase,
         "model": settings.model_name,
         "tp_size": settings.tp_size,
         "tp_rank": settings.tp_rank,
         "pool": settings.options.pool,
+        **_backends_plan(members),
     }
-    for index, member in enumerate(members):
-        for key, value in member.plan_fingerprint().items():
-            fingerprint[f"backend{index}.{key}"] = value
-    return fingerprint
+
+
+def _backends_plan(members: list[Member]) -> dict[str, Any]:
+    """Each member's plan fingerprint, its keys prefixed with the member's place."""
+    return {
+        f"backend{index}.{key}": value
+        for index, member in enumerate(members)
+        for key, value in member.plan_fingerprint().items()
+    }
 
 
 def plan_diff(fingerprints: list[dict]) -> list[str]:

@@ -30,9 +30,9 @@ class Worker:
         #: several "workers" one after another in one job, give each its own).
         self.link_prefix = "fd-cudagraph/v1"
         #: The reserve FD_CUDAGRAPH_KV_RESERVE took out of FastDeploy's KV budget (a
-        #: ``budget.Reserve``), and what the graphs took since, to warn when it was short.
+        #: ``budget.Reserve``), and what capture sessions took since, to warn when it was short.
         self.kv_reserve: Any = None
-        self.graph_bytes_since_reserve = 0
+        self.taken_since_reserve = 0
         #: What the probe of FD_CUDAGRAPH_KV_RESERVE=auto left taken on the device after its
         #: graphs were released, added once to the next record (see ``hooks.probe``).
         self.probe_kept = 0
