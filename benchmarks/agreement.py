@@ -39,8 +39,8 @@ def rank_main(args: argparse.Namespace) -> int:
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
     from fd_cudagraph_plugin import plugin
-    from fd_cudagraph_plugin.core import runtime, session, worker
-    from fd_cudagraph_plugin.core.agreement import Outcome
+    from fd_cudagraph_plugin.core import process, runtime, session
+    from fd_cudagraph_plugin.core.channel import Outcome
     from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
     dist.init_parallel_env()
@@ -63,7 +63,7 @@ def rank_main(args: argparse.Namespace) -> int:
     real_link_for = session.link_for
     # A worker joins its group's agreement once per process; that one-off start (a few round
     # trips through Paddle's job store) is timed apart, and every round reuses the link.
-    state = worker.reset_for_tests()
+    state = process.reset_for_tests()
     started = time.perf_counter()
     real_link_for(make_config_for(world, index, group, make_config), _options())
     join_seconds = time.perf_counter() - started
@@ -72,7 +72,7 @@ def rank_main(args: argparse.Namespace) -> int:
     points = 0
     for _ in range(args.rounds):
         for arm in times:
-            worker.reset_for_tests().links.update(links)
+            process.reset_for_tests(close_links=False).links.update(links)
             runtime.install_runtime(SimulatedRuntime())
             communication._TP_AR = CustomAllreduce(group, initialized=True)
             session.link_for = (

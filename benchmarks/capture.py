@@ -32,7 +32,7 @@ from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E4
 )
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-from fd_cudagraph_plugin.core import hooks, runtime, worker  # noqa: E402
+from fd_cudagraph_plugin.core import hooks, process, runtime  # noqa: E402
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend  # noqa: E402
 
 EAGER_SECONDS = 0.002
@@ -68,7 +68,7 @@ def time_capture(backend_class, max_num_seqs: int) -> tuple[float, float, int]:
     model = FixedCostBackbone(fd_config=config)
     runner = GPUModelRunner(config, model)
     runner.profile_run()
-    worker.reset_for_tests()
+    process.reset_for_tests()
     started = time.perf_counter()
     runner.capture_model()
     elapsed = time.perf_counter() - started

@@ -46,7 +46,7 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import (  # noqa: 
 from paddle.jit.sot.psdb import in_sot  # noqa: E402
 
 from fd_cudagraph_plugin import plugin  # noqa: E402
-from fd_cudagraph_plugin.core import hooks, runtime, stats, worker  # noqa: E402
+from fd_cudagraph_plugin.core import hooks, process, runtime, stats  # noqa: E402
 from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
@@ -69,10 +69,20 @@ def _isolated_environment(monkeypatch):
     for name in list(os.environ):
         if name.startswith("FD_CUDAGRAPH_") or name == "FD_PLUGINS":
             monkeypatch.delenv(name)
+    # A worker reads its options once; a test that changes one mid-way makes it read them again.
+    for method in ("setenv", "delenv"):
+        original = getattr(monkeypatch, method)
+
+        def changed(name, *args, _original=original, **kwargs):
+            _original(name, *args, **kwargs)
+            if str(name).startswith("FD_CUDAGRAPH_"):
+                process.current().forget_options()
+
+        setattr(monkeypatch, method, changed)
     native = cudagraph_piecewise_backend.CudaGraphPiecewiseBackend
     saved_runtimes = dict(runtime._RUNTIMES)
     saved_tp_ar = communication._TP_AR
-    worker.reset_for_tests()
+    process.reset_for_tests()
     # SOT caches generated code per function code object, process-wide: models built by earlier
     # tests would count as FastDeploy's "multiple generated code" (a worker has one model).
     OpcodeExecutorCache().clear()
@@ -87,7 +97,7 @@ def _isolated_environment(monkeypatch):
     current_platform.device_name = None
     hooks.uninstall()
     stats.stop_reporter()
-    worker.reset_for_tests()
+    process.reset_for_tests()
 
 
 @pytest.fixture(params=FD_VERSIONS)
@@ -99,12 +109,8 @@ def fd_version(request) -> str:
 
 @pytest.fixture
 def failures():
-    """``stats.output_failures`` as this test leaves it, without other tests' counts."""
-    saved = stats.output_failures.copy()
-    stats.output_failures.clear()
-    yield stats.output_failures
-    stats.output_failures.clear()
-    stats.output_failures.update(saved)
+    """The counts of failed side-channel writes of this test's worker process."""
+    return process.current().outputs.counts
 
 
 @pytest.fixture
@@ -303,7 +309,7 @@ class PeerLink:
         return 0
 
     def agree(self, label, status, timeout):
-        from fd_cudagraph_plugin.core.agreement import Outcome
+        from fd_cudagraph_plugin.core.channel import Outcome
 
         self.labels.append(label)
         self.posted.append((label, status))

@@ -135,6 +135,9 @@ class FakePaddleCuda:
     def memory_reserved(self) -> int:
         return self.reserved
 
+    def device_name(self) -> str:
+        return "Fake GPU (tests/fake_paddle_cuda.py)"
+
     def empty_cache(self) -> None:
         self.calls.append("empty_cache")
         self.reserved -= self._cached

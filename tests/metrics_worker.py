@@ -23,8 +23,8 @@ def main() -> int:
     from conftest import Buffers, TinyBackbone, make_config
 
     from fd_cudagraph_plugin.core import stats
-    from fd_cudagraph_plugin.core.agreement import LocalLink
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.channel import LocalLink
     from fd_cudagraph_plugin.core.session import CaptureSession
 
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)

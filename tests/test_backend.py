@@ -235,7 +235,7 @@ def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
 
 def CaptureSessionForOneRank(config):
     """A capture session of a TP config that agrees with itself (test_collective has real ranks)."""
-    from fd_cudagraph_plugin.core.agreement import LocalLink
+    from fd_cudagraph_plugin.core.channel import LocalLink
     from fd_cudagraph_plugin.core.session import CaptureSession
 
     return CaptureSession("decode", fd_config=config, link=LocalLink())

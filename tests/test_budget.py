@@ -17,7 +17,7 @@ from conftest import DecoratedMixing, make_config
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
 
-from fd_cudagraph_plugin.core import budget, worker
+from fd_cudagraph_plugin.core import budget, process, reserve
 from fd_cudagraph_plugin.core.errors import CaptureError, ConfigError
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.stats import human_bytes
@@ -57,9 +57,9 @@ def restart(sim):
     from fd_cudagraph_plugin.core import runtime
     from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
-    for backend in worker.current().backends():
+    for backend in process.current().backends():
         backend.clear_graph()
-    worker.reset_for_tests()
+    process.reset_for_tests()
     fresh = _device(SimulatedRuntime())
     fresh.first_capture_keeps = sim.first_capture_keeps
     runtime.install_runtime(fresh)
@@ -143,7 +143,7 @@ def test_auto_reserves_a_probes_estimate_then_the_record_and_every_graph_fits(
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
     with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
         backend, blocks = start(0.98)  # first start: no record, a probe
-    reserve = worker.current().kv_reserve
+    reserve = process.current().reserve.applied
     assert reserve.nbytes == GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4  # largest + 3 x middle
     assert "no record yet; estimated from a probe capture of sizes [8, 2, 1]" in reserve.source
     assert backend.captures == 4 + 3  # the probe's three, released, and the four served
@@ -155,7 +155,7 @@ def test_auto_reserves_a_probes_estimate_then_the_record_and_every_graph_fits(
     taken = backend.capture_report.graph_bytes
     restart(device)
     backend, second = start(0.98)  # second start: the record
-    reserve = worker.current().kv_reserve
+    reserve = process.current().reserve.applied
     assert reserve.nbytes == taken and "measured at the start of" in reserve.source
     assert backend.captures == 4  # no probe
     assert second >= blocks  # the record is no larger than the probe's estimate
@@ -175,14 +175,14 @@ def test_the_record_holds_what_the_session_took_beside_the_graphs_and_the_next_s
     backend, _ = start(0.80 if first == "off" else 0.98)
     graphs = backend.capture_report.graph_bytes
     if first == "auto":  # the probe's estimate counts what its session took beside its graphs
-        reserve = worker.current().kv_reserve
+        reserve = process.current().reserve.applied
         assert reserve.nbytes == kept + GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4
         assert "30.0 MiB beside the graphs" in reserve.source
     assert graphs == 4 * GRAPH + sum(s * 8 * 4 for s in (8, 4, 2, 1))
     restart(device)
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
     backend, _ = start(0.98)
-    assert worker.current().kv_reserve.nbytes == graphs + kept
+    assert process.current().reserve.applied.nbytes == graphs + kept
     assert f"{human_bytes(graphs + kept)} taken in all; " in backend.capture_report.summary()
     backend.check_capture_successful()
     assert backend.captures == 4
@@ -193,25 +193,25 @@ def test_a_changed_plan_does_not_reuse_a_stale_figure(device, monkeypatch):
     _backend, _ = start(0.95)
     restart(device)
     start(0.95, sizes=(8, 4, 2))  # another plan: probe again, not the record of four sizes
-    assert "estimated from a probe" in worker.current().kv_reserve.source
+    assert "estimated from a probe" in process.current().reserve.applied.source
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"})])
 def test_a_corrupt_record_is_treated_as_missing_and_said(device, monkeypatch, tmp_path, content):
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
     monkeypatch.setenv("FD_LOG_DIR", str(tmp_path))
-    path = budget.Record.for_rank(str(tmp_path), 0, 0).path
+    path = reserve.Record.for_rank(str(tmp_path), 0, 0).path
     import os
 
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as handle:
         handle.write(content)
     backend, _ = start(0.95)
-    source = worker.current().kv_reserve.source
+    source = process.current().reserve.applied.source
     assert path in source and "estimated from a probe" in source
     backend.check_capture_successful()
     with open(path) as handle:
-        assert json.load(handle)["format"] == budget.RECORD_FORMAT  # rewritten
+        assert json.load(handle)["format"] == reserve.RECORD_FORMAT  # rewritten
 
 
 def test_an_explicit_size_takes_exactly_that_out_of_the_kv_cache(device, monkeypatch):
@@ -220,7 +220,7 @@ def test_an_explicit_size_takes_exactly_that_out_of_the_kv_cache(device, monkeyp
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "64MiB")
     _, fewer = start(0.90)
     assert blocks - fewer == 64  # 1 MiB blocks
-    assert worker.current().kv_reserve.source == "FD_CUDAGRAPH_KV_RESERVE=64.0 MiB"
+    assert process.current().reserve.applied.source == "FD_CUDAGRAPH_KV_RESERVE=64.0 MiB"
 
 
 def test_a_short_reserve_is_said_after_capture(device, monkeypatch, caplog):
@@ -244,7 +244,7 @@ def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, cap
     with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
         assert initialize_kv_cache(GpuWorker(config, runner)) == 100
         runner.capture_model()
-    assert worker.current().kv_reserve is None
+    assert process.current().reserve.applied is None
     assert any("num_gpu_blocks_override" in r.getMessage() for r in caplog.records)
 
 
@@ -253,3 +253,105 @@ def test_a_bad_reserve_is_refused_naming_the_setting(monkeypatch, value):
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", value)
     with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_KV_RESERVE=.*off, auto, or a size"):
         PluginOptions.from_env()
+
+
+def _record_entry(tmp_path, **entry) -> str:
+    """Write a record whose one plan is this start's, with ``entry`` as its figures."""
+    path = reserve.Record.for_rank(str(tmp_path), 0, 0).path
+    with open(path) as handle:
+        data = json.load(handle)
+    (key,) = data["plans"]
+    data["plans"][key].update(entry)
+    with open(path, "w") as handle:
+        json.dump(data, handle)
+    return path
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"time": "yesterday"},
+        {"time": 1e20},
+        {"time": float("nan")},
+        {"bytes": 2**62},
+        {"bytes": 1},  # below the graphs' own figure
+        {"bytes": True},
+        {"graph_bytes": "x"},
+    ],
+    ids=[
+        "time-string",
+        "time-1e20",
+        "time-nan",
+        "bytes-2**62",
+        "bytes-below-graphs",
+        "bool",
+        "str",
+    ],
+)
+def test_a_worker_starts_with_a_bad_record_and_says_why_it_ignored_it(
+    device, monkeypatch, tmp_path, entry
+):
+    # Each of these made every start fail inside determine_available_memory (time.localtime of
+    # a string, 1e20 or NaN) or sized the KV budget from nonsense (a negative budget at 2**62).
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    start(0.95)
+    device = restart(device)
+    path = _record_entry(tmp_path, **entry)
+    backend, _ = start(0.95)
+    backend.check_capture_successful()
+    source = process.current().reserve.applied.source
+    assert f"the record {path} has a bad entry for this plan" in source
+    assert "estimated from a probe" in source
+
+
+def test_a_record_that_is_not_a_regular_file_or_too_long_is_ignored(device, monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    path = reserve.Record.for_rank(str(tmp_path), 0, 0).path
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as handle:
+        handle.write(" " * (reserve.MAX_RECORD_BYTES + 1))
+    backend, _ = start(0.95)
+    backend.check_capture_successful()
+    assert (
+        f"longer than {reserve.MAX_RECORD_BYTES} bytes" in process.current().reserve.applied.source
+    )
+
+
+def test_a_recorded_figure_that_ran_out_of_memory_is_dropped_and_the_next_start_fits(
+    device, monkeypatch, tmp_path, caplog
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    start(0.95)
+    device = restart(device)
+    _record_entry(tmp_path, bytes=GRAPH, graph_bytes=GRAPH)  # far too low, but self-consistent
+    with pytest.raises(CaptureError) as raised, caplog.at_level(logging.WARNING):
+        start(0.98)
+    message = str(raised.value)
+    assert "FD_CUDAGRAPH_KV_RESERVE auto reserved 20.0 MiB was too little" in message
+    assert "set FD_CUDAGRAPH_KV_RESERVE=auto" not in message  # it is set
+    assert any("that figure is dropped" in r.getMessage() for r in caplog.records)
+    restart(device)
+    backend, _ = start(0.98)  # no record of this plan now: a probe, and every graph fits
+    assert "estimated from a probe" in process.current().reserve.applied.source
+    backend.check_capture_successful()
+
+
+def test_the_record_is_written_through_a_fresh_file_and_never_through_a_planted_link(
+    device, monkeypatch, tmp_path
+):
+    import os
+
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    path = reserve.Record.for_rank(str(tmp_path), 0, 0).path
+    os.makedirs(os.path.dirname(path))
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    # The old name of the temporary file, planted as a link to another file.
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    start(0.95)
+    assert victim.read_text() == "untouched"
+    with open(path) as handle:
+        assert json.load(handle)["format"] == reserve.RECORD_FORMAT
+    assert not os.path.islink(path)

@@ -12,7 +12,7 @@ import pytest
 from conftest import Buffers, DecoratedBackbone, MixingBackbone, PeerLink, make_config, served_by
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-from fd_cudagraph_plugin.core import worker
+from fd_cudagraph_plugin.core import process
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError
 from fd_cudagraph_plugin.core.session import CaptureSession
@@ -51,7 +51,7 @@ def test_capture_model_runs_in_a_session_with_one_summary_line(plugin_registered
         r"819\.2 MiB free\)",
         summaries[0],
     )
-    assert worker.current().session is None and worker.current().sessions_ended == 1
+    assert process.current().session is None and process.current().sessions_ended == 1
 
 
 def test_capture_time_steps_are_not_counted_as_served_traffic(plugin_registered):
@@ -87,7 +87,7 @@ def test_gc_is_held_off_during_the_session_and_restored_after_an_error(plugin_re
     class Recording(DecoratedBackbone):
         def forward(self, ids_remove_padding, forward_meta):
             seen.append(gc.isenabled())
-            if ids_remove_padding.shape[0] == 2 and worker.current().session is not None:
+            if ids_remove_padding.shape[0] == 2 and process.current().session is not None:
                 raise RuntimeError("CUDA error: out of memory")
             return super().forward(ids_remove_padding, forward_meta)
 
@@ -97,7 +97,7 @@ def test_gc_is_held_off_during_the_session_and_restored_after_an_error(plugin_re
         runner.capture_model()
     assert seen and not any(seen)  # no automatic collection during the session
     assert gc.isenabled()
-    assert worker.current().session is None
+    assert process.current().session is None
 
 
 def test_plan_check_diff_names_the_key_and_both_values(sim):
@@ -105,7 +105,8 @@ def test_plan_check_diff_names_the_key_and_both_values(sim):
 
     def peer(rank, label, status):
         if label == "plan":
-            return {"payload": {**status["payload"], "self_check": "warn"}}
+            payload = status["payload"]
+            return {"payload": {**payload, "plan": {**payload["plan"], "self_check": "warn"}}}
         return status
 
     expected = r"\. rank 1: self_check: rank 0 'off' vs rank 1 'warn'\. Start"
@@ -114,7 +115,7 @@ def test_plan_check_diff_names_the_key_and_both_values(sim):
         CaptureSession("decode", link=PeerLink(peer=peer)),
     ):
         pass
-    assert worker.current().session is None and gc.isenabled()
+    assert process.current().session is None and gc.isenabled()
 
 
 def test_a_size_first_seen_after_the_sessions_runs_eagerly_and_warns_once(sim, caplog):
@@ -192,8 +193,9 @@ def test_the_plan_is_checked_at_the_first_capture_when_no_backend_existed_at_the
 
     def peer(rank, label, status):
         payload = (status or {}).get("payload")
-        if label == "plan" and payload and payload["backends"]:
-            return {"payload": {**payload, "backend0.capture_sizes": [4, 2]}}
+        if label == "plan" and payload and payload["plan"]["backends"]:
+            plan = {**payload["plan"], "backend0.capture_sizes": [4, 2]}
+            return {"payload": {**payload, "plan": plan}}
         return status
 
     link = PeerLink(peer=peer)

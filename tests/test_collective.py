@@ -42,6 +42,8 @@ FAULTS = (
 TWO_RANKS = (
     "equal-plans",
     "many-sizes",
+    "recapture",
+    "recapture-history-differs@1",
     "static-full",
     *(f"{fault}@{rank}" for fault in FAULTS for rank in (0, 1)),
 )
@@ -164,6 +166,19 @@ def test_thirty_six_sizes_pass_every_agreement_point(two):
         assert len(facts["captured"]) == 36 and facts["agreement_points"] == 1 + 36 * 3 + 1
 
 
+def test_a_recapture_warms_each_size_once_on_every_rank(two):
+    for facts in two["recapture"]:
+        assert facts["outcome"] == "ok", facts["message"]
+        assert facts["captured"] == [8, 4, 2, 1] and facts["warmups"] == [1, 1, 1, 1]
+
+
+def test_when_one_rank_has_not_warmed_every_rank_warms_in_full_and_none_hangs(two):
+    # Warm-ups run the model's all-reduces: a rank warming alone would wait for its peer.
+    for facts in two["recapture-history-differs@1"]:
+        assert facts["outcome"] == "ok", facts["message"]
+        assert facts["captured"] == [8, 4, 2, 1] and facts["warmups"] == [2, 2, 2, 2]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize(
     ("fault", "stage", "cause"),
@@ -236,7 +251,9 @@ def test_a_self_check_failure_on_one_rank_is_served_eagerly_on_every_rank_with_w
 def test_a_rank_that_never_joins_is_named_by_those_that_waited_within_the_timeout(two, rank):
     waited = two[f"never-joins@{rank}"][1 - rank]
     assert waited["outcome"] == "RankTimeoutError", waited
-    assert 3 <= waited["seconds"] < SCENARIO_LIMIT_S
+    # Within FD_CUDAGRAPH_RANK_TIMEOUT (3 s), whole: the wait gives up a margin before it, so
+    # that the server's answer arrives in time (channel.give_up_margin: 0.75 s of 3 s).
+    assert 3 - 0.75 <= waited["seconds"] <= 3 + 0.5
     if rank == 0:  # rank 0 hosts the agreement server: the others cannot even join
         assert (
             "rank 0 did not start the CUDA graph agreement server within 3 s" in (waited["message"])

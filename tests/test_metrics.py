@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import Buffers, TinyBackbone, make_config
 
-from fd_cudagraph_plugin.core import metrics, stats
+from fd_cudagraph_plugin.core import metrics, process, stats
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.options import PluginOptions
 
@@ -143,7 +143,7 @@ def test_replay_path_writes_no_metric(sim, metrics_on):
 
 def test_output_failures_are_exported(sim, metrics_on, failures):
     backend, _ = served_backend()
-    stats.output_failed("FD_CUDAGRAPH_STATS_FILE", "/dev/full", OSError(28, "No space left"))
+    process.current().outputs.failed("FD_CUDAGRAPH_STATS_FILE", "/x", OSError(28, "No space left"))
     metrics.publish([backend], failures)
     labels = {"rank": "0", "dp_rank": "0", "setting": "FD_CUDAGRAPH_STATS_FILE"}
     assert (
@@ -189,5 +189,6 @@ def test_reporter_interval(env, interval, tmp_path, monkeypatch):
 
 def test_metrics_alone_start_the_reporter(sim, metrics_on):
     served_backend()
-    assert stats._reporter is not None and stats._reporter.interval == metrics.PUBLISH_SECONDS
-    assert not stats._reporter.log
+    reporter = process.current().reporter
+    assert reporter is not None and reporter.interval == metrics.PUBLISH_SECONDS
+    assert not reporter.log

@@ -18,7 +18,7 @@ from conftest import (
     served_by,
 )
 
-from fd_cudagraph_plugin.core import stats
+from fd_cudagraph_plugin.core import process, stats
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.guards import AddressGuardError, SelfCheckError
 from fd_cudagraph_plugin.core.session import CaptureSession
@@ -88,7 +88,7 @@ def test_summary_table_is_logged_on_clear_graph(sim, caplog):
 
 
 def test_periodic_stats_line(sim, monkeypatch, caplog):
-    monkeypatch.setenv("FD_CUDAGRAPH_STATS_INTERVAL", "0.05")
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_INTERVAL", "1")  # the shortest allowed
     with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
         backend, _ = backend_for()
         capture_all(backend, Buffers())
@@ -295,7 +295,9 @@ def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(s
     capture_all(backend, buffers)
     for tokens in (3, 4, 1):  # replayed steps: the readers merge these with the eager ones
         backend(**buffers.step(tokens))
-    writer = stats.StatsFile(str(tmp_path / "stats.jsonl"), backend.settings)
+    writer = stats.StatsFile(
+        str(tmp_path / "stats.jsonl"), backend.settings, process.current().outputs
+    )
     errors: list[BaseException] = []
     done = threading.Event()
 

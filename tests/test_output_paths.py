@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from conftest import Buffers, TinyBackbone, make_config
 
 from fd_cudagraph_plugin import plugin
-from fd_cudagraph_plugin.core import session, stats
+from fd_cudagraph_plugin.core import outputs, session, stats
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.tools import doctor
@@ -45,13 +46,13 @@ class Ranks:
     ],
 )
 def test_output_path_is_unique_per_process_of_the_deployment(template, ranks, expected):
-    assert stats.output_path(template, ranks) == expected
+    assert outputs.output_path(template, ranks) == expected
 
 
 def test_every_process_of_a_dp_tp_deployment_gets_its_own_file():
     deployment = [Ranks(t, 2, d, 4) for d in range(4) for t in range(2)]
     for template in ("/r/g.json", "/r/g-{rank}.json", "/r/g-{dp_rank}.json"):
-        paths = {stats.output_path(template, ranks) for ranks in deployment}
+        paths = {outputs.output_path(template, ranks) for ranks in deployment}
         assert len(paths) == len(deployment), template
 
 
@@ -99,7 +100,7 @@ BAD_CASES = ("proc", "directory", "trailing slash", "parent is a file")
 
 
 @pytest.mark.parametrize("option", PATH_OPTIONS)
-@pytest.mark.parametrize("case", BAD_CASES)
+@pytest.mark.parametrize("case", [case for case in BAD_CASES if case != "proc"])
 def test_bad_output_path_stops_register_naming_the_variable(monkeypatch, tmp_path, option, case):
     path, reason = _bad_paths(tmp_path)[case]
     monkeypatch.setenv(option, path)
@@ -152,11 +153,34 @@ def test_writable_output_paths_pass_and_nothing_is_left_behind(tmp_path, option,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_full_disk_stats_file_is_logged_once_and_clear_graph_still_releases(
+def test_a_path_doctor_finds_unwritable_passes_register_and_its_writes_are_counted(
     sim, monkeypatch, caplog, failures
 ):
-    # /dev/full passes the checks (it is a writable file) and fails every write: a full disk.
-    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", "/dev/full")
+    # Starting creates no file to find out (every rank reads its options at every start); os.access
+    # says yes to root under /proc, so the first write fails, is counted, and serving goes on.
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", "/proc/x.json")
+    plugin.register()
+    model = TinyBackbone()
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    for size in (4, 2, 1, 3):
+        backend(**buffers.step(size))
+    backend.flush_stats()
+    assert failures["FD_CUDAGRAPH_STATS_FILE"] == 1 and sim.live_graphs == 3
+
+
+@pytest.mark.parametrize("special", ["/dev/full", "fifo"])
+def test_a_stats_file_that_is_no_regular_file_is_logged_once_and_clear_graph_still_releases(
+    sim, monkeypatch, caplog, failures, tmp_path, special
+):
+    # /dev/full fails every write (a full disk); a FIFO would block open() for good. Neither
+    # stops the start: each write is refused, counted, and logged once.
+    if special == "fifo":
+        special = str(tmp_path / "stats.fifo")
+        os.mkfifo(special)
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", special)
+    plugin.register()
     model = TinyBackbone()
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
@@ -170,12 +194,23 @@ def test_full_disk_stats_file_is_logged_once_and_clear_graph_still_releases(
         stats.flush_all()
     assert sim.live_graphs == 0 and backend.stats()["graph_bytes"] == {}
     assert failures["FD_CUDAGRAPH_STATS_FILE"] == 3
-    warnings = [r.getMessage() for r in caplog.records if "STATS_FILE" in r.getMessage()]
-    assert len(warnings) == 1 and "cannot write /dev/full" in warnings[0]
+    warnings = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warnings) == 1 and f"FD_CUDAGRAPH_STATS_FILE: cannot write {special}" in warnings[0]
+    assert "not a regular file" in warnings[0]
 
 
-def test_full_disk_memory_report_does_not_stop_capture(sim, monkeypatch, caplog, failures):
-    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", "/dev/full")
+@pytest.mark.parametrize("special", ["/dev/full", "fifo", "becomes a directory"])
+def test_a_memory_report_that_cannot_be_written_does_not_stop_capture(
+    sim, monkeypatch, caplog, failures, tmp_path, special
+):
+    path = {"fifo": str(tmp_path / "report.fifo"), "becomes a directory": str(tmp_path / "r")}
+    path = path.get(special, special)
+    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", path)
+    plugin.register()  # accepted: it does not exist yet, or is a writable special file
+    if special == "fifo":
+        os.mkfifo(path)
+    elif special == "becomes a directory":
+        os.mkdir(path)
     config = make_config(4, cudagraph_capture_sizes=[4, 2, 1])
     model = TinyBackbone()
     backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)

@@ -18,7 +18,8 @@ from fastdeploy.plugins import model_register
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 from fd_cudagraph_plugin import plugin
-from fd_cudagraph_plugin.core import fastdeploy as fastdeploy_seam
+from fd_cudagraph_plugin.core import process
+from fd_cudagraph_plugin.core import seam as fastdeploy_seam
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.errors import ConfigError
 
@@ -149,17 +150,19 @@ def test_any_bad_option_stops_register_with_the_fix(monkeypatch):
     assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
 
 
-def test_unknown_option_is_logged_once_at_register_with_the_closest_name(monkeypatch, caplog, sim):
-    monkeypatch.setenv("FD_CUDAGRAPH_BACKNED", "native")
-    monkeypatch.setattr(plugin, "_unknown_logged", False)
-    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [
+        ("FD_CUDAGRAPH_BACKNED", "FD_CUDAGRAPH_BACKEND"),
+        ("FD_CUDAGRAPH_KV_RESERV", "FD_CUDAGRAPH_KV_RESERVE"),
+    ],
+)
+def test_a_misspelt_option_stops_register_naming_the_closest_one(monkeypatch, sim, name, closest):
+    # A misspelt FD_CUDAGRAPH_KV_RESERV=auto used to leave the reserve off with a warning only.
+    monkeypatch.setenv(name, "auto")
+    with pytest.raises(ConfigError, match=rf"does not know {name} \(did you mean {closest}\?\)"):
         plugin.register()
-        plugin.register()
-    lines = [r.getMessage() for r in caplog.records if "FD_CUDAGRAPH_BACKNED" in r.getMessage()]
-    assert lines == [
-        "fd-cudagraph-plugin ignores FD_CUDAGRAPH_BACKNED (did you mean FD_CUDAGRAPH_BACKEND?): "
-        "set but not options of this plugin; rename or unset them."
-    ]
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is NATIVE
 
 
 def test_each_record_reaches_the_console_once_when_fastdeploys_logger_propagates(monkeypatch, sim):
@@ -210,8 +213,9 @@ def test_forward_meta_of_older_releases_gets_the_fields_the_backend_reads(sim, m
     from fastdeploy.model_executor import forward_meta
 
     monkeypatch.setattr(forward_meta, "ForwardMeta", ForwardMeta24)
-    assert fastdeploy_seam.backfill_forward_meta() == ["exist_prefill", "real_bsz"]
-    assert fastdeploy_seam.backfill_forward_meta() == []
+    patches = process.current().patches
+    assert fastdeploy_seam.backfill_forward_meta(patches) == ["exist_prefill", "real_bsz"]
+    assert fastdeploy_seam.backfill_forward_meta(patches) == []
     model = TinyBackbone()
     for speculative in (None, {"method": "mtp", "num_speculative_tokens": 1}):
         config = make_config(4, speculative=speculative)

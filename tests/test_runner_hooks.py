@@ -27,7 +27,7 @@ import importlib
 importlib.import_module(sys.argv[2])  # what the worker imports first loads the plugins
 from conftest import DecoratedBackbone, make_config
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
-from fd_cudagraph_plugin.core import worker
+from fd_cudagraph_plugin.core import process
 
 config = make_config(4)
 model = DecoratedBackbone(fd_config=config)
@@ -35,7 +35,7 @@ GPUModelRunner(config, model).capture_model()  # no profile_run: the backend is 
 backend = model.graph_opt_backend.cudagraph_piecewise_backend
 report = backend.capture_report
 print(json.dumps({
-    "sessions": worker.current().sessions_ended,
+    "sessions": process.current().sessions_ended,
     "phase": None if report is None else report.phase,
     "report_sizes": None if report is None else [r.size for r in report.records],
 }))

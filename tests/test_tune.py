@@ -13,6 +13,7 @@ import pytest
 from conftest import make_config
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.outputs import OutputFailures
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.stats import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
@@ -144,7 +145,9 @@ class _CountingBackend:
 
 def test_reads_the_stats_file_the_plugin_writes(tmp_path):
     writer = StatsFile(
-        str(tmp_path / "stats-{rank}.jsonl"), Settings.from_fd_config(make_config(8))
+        str(tmp_path / "stats-{rank}.jsonl"),
+        Settings.from_fd_config(make_config(8)),
+        OutputFailures(),
     )
     target, draft = _CountingBackend(), _CountingBackend()
     target.counts.update({3: 2, 5: 1})
@@ -489,7 +492,7 @@ def test_the_stats_file_a_speculative_backend_writes_is_tuned_in_running_request
         step["forward_meta"].real_bsz = running
         backend(**step)
     path = tmp_path / "stats.jsonl"
-    StatsFile(str(path), backend.settings).flush(backend)
+    StatsFile(str(path), backend.settings, OutputFailures()).flush(backend)
     line = json.loads(path.read_text())
     assert line["running_request_counts"] == {"1": 4, "2": 1, "3": 5, "4": 1}  # captures too
     assert line["speculative_method"] == "mtp" and line["num_speculative_tokens"] == 1

@@ -88,7 +88,7 @@ def _faulty_model(rank: Rank, stage: str, size: int = 4) -> type:
     """A model that raises ``OOM`` on the faulty rank at ``stage`` of ``size``'s capture."""
     from conftest import DecoratedMixing
 
-    from fd_cudagraph_plugin.core import runtime, worker
+    from fd_cudagraph_plugin.core import process, runtime
 
     sim = runtime.get_runtime("simulated")
 
@@ -96,7 +96,7 @@ def _faulty_model(rank: Rank, stage: str, size: int = 4) -> type:
         eager_runs = 0
 
         def forward(self, ids_remove_padding, forward_meta):
-            if rank.faulty and worker.current().session is not None:
+            if rank.faulty and process.current().session is not None:
                 tokens = ids_remove_padding.shape[0]
                 if tokens == size:
                     if stage == "capture" and sim.capturing:
@@ -129,6 +129,38 @@ def _facts(backend: Any) -> dict[str, Any]:
 def equal_plans(rank: Rank) -> dict[str, Any]:
     backend = capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1]))
     return {**_facts(backend), "registrations": _ar().registrations}
+
+
+def _recapture(rank: Rank, forget: bool) -> dict[str, Any]:
+    """Capture, clear as a weight update does, capture again; ``forget``: the faulty rank's
+    backend has no warm-up history (as if it had been rebuilt)."""
+    from conftest import DecoratedMixing
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin.core.warmups import WarmedSizes
+
+    config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    backend.clear_graph()
+    if forget and rank.faulty:
+        backend.warmed = WarmedSizes()
+    runner.capture_model()
+    report = backend.capture_report
+    return {**_facts(backend), "warmups": [r.warmups for r in report.records]}
+
+
+@scenario("recapture")
+def recapture(rank: Rank) -> dict[str, Any]:
+    return _recapture(rank, forget=False)
+
+
+@scenario("recapture-history-differs")
+def recapture_history_differs(rank: Rank) -> dict[str, Any]:
+    return _recapture(rank, forget=True)
 
 
 @scenario("many-sizes")
@@ -284,12 +316,12 @@ def fails_between_backend_calls(rank: Rank) -> dict[str, Any]:
     the other ranks are already past the backend's last agreement point for that size."""
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-    from fd_cudagraph_plugin.core import worker
+    from fd_cudagraph_plugin.core import process
 
     class SamplerFails(GPUModelRunner):
         def _run(self, num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids=None):
             out = super()._run(num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids)
-            if rank.faulty and worker.current().session is not None and num_tokens == 4:
+            if rank.faulty and process.current().session is not None and num_tokens == 4:
                 raise RuntimeError("sampler: CUDA error(700): an illegal memory access")
             return out
 
@@ -308,7 +340,7 @@ def kv_record_missing(rank: Rank) -> dict[str, Any]:
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
     from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
 
-    from fd_cudagraph_plugin.core import budget
+    from fd_cudagraph_plugin.core import reserve
 
     def start() -> Any:
         from conftest import DecoratedMixing
@@ -330,14 +362,14 @@ def kv_record_missing(rank: Rank) -> dict[str, Any]:
         start()
         _fresh_worker(rank, "kv-record-missing-second-start")
         if rank.faulty:
-            os.remove(budget.Record.for_rank(log_dir, 0, rank.index).path)
+            os.remove(reserve.Record.for_rank(log_dir, 0, rank.index).path)
         backend = start()
-    from fd_cudagraph_plugin.core import worker
+    from fd_cudagraph_plugin.core import process
 
     return {
         **_facts(backend),
         "captures": backend.captures,
-        "reserve": worker.current().kv_reserve.source,
+        "reserve": process.current().reserve.applied.source,
     }
 
 
@@ -392,11 +424,11 @@ def _fresh_worker(rank: Rank, name: str) -> None:
     from fastdeploy.distributed.custom_all_reduce import CustomAllreduce
     from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 
-    from fd_cudagraph_plugin.core import runtime, worker
+    from fd_cudagraph_plugin.core import process, runtime
     from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
     gc.collect()
-    state = worker.reset_for_tests()
+    state = process.reset_for_tests()
     if hasattr(state, "link_prefix"):
         state.link_prefix = f"fd-cudagraph/test/{name}"
     runtime.install_runtime(SimulatedRuntime())

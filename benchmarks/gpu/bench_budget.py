@@ -186,9 +186,9 @@ def one_start() -> dict:
     except Exception as error:
         out["cuda_usable_after"] = f"{type(error).__name__}: {str(error)[:200]}"
     if args.backend == "plugin":
-        from fd_cudagraph_plugin.core import budget, worker
+        from fd_cudagraph_plugin.core import budget, process
 
-        reserve = worker.current().kv_reserve
+        reserve = process.current().reserve.applied
         if reserve is not None:
             out["reserve_mib"] = round(reserve.nbytes / MiB, 1)
             out["reserve_source"] = reserve.source[:300]

@@ -165,7 +165,7 @@ def register_plugin() -> type:
     getattr(importlib.import_module(module), func)()
     cls = GOB.CudaGraphPiecewiseBackend
     if cls is None or cls is FASTDEPLOY_CLASS:
-        from fd_cudagraph_plugin.core import fastdeploy
+        from fd_cudagraph_plugin.core import seam as fastdeploy
 
         why = fastdeploy.cuda_runtime_blocker() or "see stderr.log"
         raise RuntimeError(f"{target}() bound no backend in graph_optimization_backend: {why}")

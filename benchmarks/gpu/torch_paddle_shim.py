@@ -48,6 +48,7 @@ RUNTIME_CALLS = (
     "device.synchronize",
     "device.cuda.memory_reserved",
     "device.cuda.empty_cache",
+    "device.cuda.get_device_name",
     "device.cuda.graphs.CUDAGraph",
     "device.cuda.graphs.is_cuda_graph_supported",
     "base.core.CUDAGraph.gen_new_memory_pool_id",
@@ -300,6 +301,9 @@ def install(dry_run: bool = False) -> types.ModuleType:
         cuda.memory_reserved = _reserved
         cuda.memory_allocated = torch.cuda.memory_allocated
         cuda.max_memory_reserved = torch.cuda.max_memory_reserved
+    cuda.get_device_name = (
+        (lambda *a: "CPU dry run") if dry_run else (lambda *a: torch.cuda.get_device_name())
+    )
     graphs = _module("paddle.device.cuda.graphs")
     graphs.CUDAGraph = graph_class
     graphs.ALL_MODES = list(ALL_MODES)

@@ -1,385 +1,369 @@
-"""The channel tensor-parallel ranks agree over, before any of them enters a collective that a
-failed rank would not join.
+"""Where tensor-parallel ranks agree during a capture session, and the one error they all raise.
 
-A capture session has fixed agreement points (``session.py`` says where). At each, every rank
-posts its status (ok, or what failed) and gets back one outcome, the same on every rank:
+The points of a session, in order (TP = 1 runs the same code, agreeing with itself):
 
-* ``complete``: every rank posted; the outcome carries each rank's status;
-* ``abandoned``: a rank gave up waiting (``FD_CUDAGRAPH_RANK_TIMEOUT``) or a rank's connection
-  dropped (its process exited); the outcome names the ranks that never posted.
+1. ``plan`` at the start: every rank's capture plan; a difference is a ``RankMismatchError``;
+2. per graph: ``warm-up`` (after the eager warm-ups, before the device synchronises: a rank whose
+   warm-up failed never launched its all-reduces, so a peer must not block on them),
+   ``capture`` (before the custom all-reduce registration, so a failed rank is never waited for
+   there), ``registration`` (before the next warm-up's all-reduces), ``self-check`` when it is on;
+3. ``static probe`` before the first static-full decode capture: which graphs decode;
+4. ``end``: catches a rank that failed anywhere between two points (FastDeploy's code between
+   backend calls included): that rank posts its failure at its next point, whichever it is.
 
-Why not FastDeploy's TP group: on GPUs it is NCCL, so a collective over it allocates GPU memory
-(``all_gather_object`` pickles into a device tensor and syncs on it), runs on the failed rank's
-stream, and waits without a timeout. After an out-of-memory or a capture that Paddle left open,
-none of that can be trusted. Why not Paddle's global TCP store alone: it is CPU-only and shared by
-every rank of the job (``fleet.init`` creates it in every FastDeploy worker), but each ``add`` or
-``get`` waits about 44 ms for its reply on loopback (measured with Paddle 3.3.1), and ``get`` has
-no timeout. So TP rank 0 runs a small TCP server in a daemon thread (``TCP_NODELAY``), found by the
-other ranks through the store once per process, and each point costs one request and one reply.
-The server alone decides each point's outcome, so no two ranks can see different ones.
+A rank whose step failed still posts and waits at that point; every rank raises the error built
+from all ranks' statuses (``agreed_error``), so the message is the same on every rank. The
+transport is ``channel.py``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import secrets
-import selectors
-import socket
-import struct
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
-logger = logging.getLogger("fd_cudagraph_plugin")
+from fd_cudagraph_plugin.core import budget
+from fd_cudagraph_plugin.core.channel import MAX_TEXT, Link, LocalLink, Outcome
+from fd_cudagraph_plugin.core.errors import (
+    CaptureError,
+    CudaGraphPluginError,
+    RankTimeoutError,
+    SelfCheckError,
+)
+from fd_cudagraph_plugin.core.key import GraphKey
 
-_HEADER = struct.Struct("!I")
-#: Seconds between reads of the store while waiting for TP rank 0 to publish its address; each
-#: read is one store round trip (about 44 ms).
-_STORE_POLL_SECONDS = 0.05
+T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class Outcome:
-    """What every rank learns at one agreement point."""
-
-    label: str
-    #: Each rank's posted status (None for "ok"), by rank; ranks that never posted are absent.
-    statuses: dict[int, dict[str, Any] | None]
-    #: Ranks that did not post: empty when the point completed.
-    missing: tuple[int, ...] = ()
-    #: Of ``missing``: ranks whose connection dropped (their process exited).
-    lost: tuple[int, ...] = ()
-    #: Seconds this rank waited, when it gave up; 0 otherwise.
-    waited: float = 0.0
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing
-
-    @property
-    def failures(self) -> dict[int, dict[str, Any]]:
-        """The failures posted, by rank (a status ``{"failure": {...}}``)."""
-        return {
-            rank: status["failure"]
-            for rank, status in sorted(self.statuses.items())
-            if status and "failure" in status
-        }
-
-    def shared(self) -> list[Any]:
-        """Each rank's payload (a status ``{"payload": ...}``), in rank order."""
-        return [(self.statuses.get(r) or {}).get("payload") for r in sorted(self.statuses)]
+_OOM_ADVICE = (
+    "Out of memory: lower --max-num-seqs or --gpu-memory-utilization, or trim "
+    "cudagraph_capture_sizes in --graph-optimization-config."
+)
+_OP_ADVICE = (
+    "An op in the model cannot be captured or run at this size: fix it, or serve without CUDA "
+    "graphs (--graph-optimization-config '{\"use_cudagraph\": false}')."
+)
+_REGISTRATION_ADVICE = (
+    "FastDeploy's custom all-reduce could not register the graph's buffers: serve with "
+    "--disable-custom-all-reduce, or without CUDA graphs."
+)
+_RESTART = (
+    " The failure happened inside the capture, after which Paddle cannot capture again in that "
+    "process: restart the worker once the cause is fixed."
+)
 
 
-class Link(Protocol):
-    """One rank's end of the agreement channel of its tensor-parallel group."""
+class Participant(Protocol):
+    """What the agreement asks of a backend taking part in a point."""
 
-    rank: int
-    world: int
+    role: str
+    settings: Any
+    runtime: Any
 
-    def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
-        """Post ``status`` (None: ok) at the next point and wait at most ``timeout`` seconds."""
-
-    def next_epoch(self) -> int:
-        """A new capture session: points are numbered from 0 again."""
+    def graphs_expected(self, phase: str) -> int:
+        """How many graphs of ``phase`` this backend captures in a full session."""
 
 
-class LocalLink:
-    """A single rank: every point completes at once with this rank's status."""
+class Report(Protocol):
+    """Where the time spent agreeing is counted (``report.CaptureReport``)."""
 
-    rank = 0
-    world = 1
+    agreement_seconds: float
+    agreement_points: int
 
-    def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
-        return Outcome(label, {0: status})
-
-    def next_epoch(self) -> int:
-        return 0
+    def memory_at_failure(self, participant: Participant, phase: str) -> dict[str, Any]: ...
 
 
-# ----------------------------------------------------------------------------------- wire
+def failure_status(stage: str, where: str, mode: str, rank: int, error: BaseException) -> dict:
+    text = str(error).rstrip(". ")
+    # The channel caps a post; the start and the end of a long message say the most.
+    if len(text) > MAX_TEXT - 200:
+        text = text[: MAX_TEXT // 2 - 100] + " ... " + text[-(MAX_TEXT // 2 - 200) :]
+    return {
+        "rank": rank,
+        "stage": stage[:100],
+        "where": where[:100],
+        "mode": mode[:300],
+        "error": f"{type(error).__name__}: {text}",
+        "out_of_memory": "out of memory" in text.lower() or isinstance(error, MemoryError),
+        # The plugin's own errors (capture order, configuration) already say what to do.
+        "explained": isinstance(error, CudaGraphPluginError),
+    }
 
 
-def _send(sock: socket.socket, message: dict[str, Any]) -> None:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(body)) + body)
+def _advice(failures: list[dict]) -> str:
+    memory = [f["memory"] for f in failures if f["out_of_memory"] and f.get("memory")]
+    if memory:
+        return " " + budget.oom_advice(**memory[0])
+    if any(f["out_of_memory"] for f in failures):
+        return " " + _OOM_ADVICE
+    unexplained = [f for f in failures if not f["explained"]]
+    if not unexplained:
+        return ""
+    if all(f["stage"] == "registration" for f in unexplained):
+        return " " + _REGISTRATION_ADVICE
+    if all(f["stage"] in ("warm-up", "capture", "static probe") for f in unexplained):
+        return " " + _OP_ADVICE
+    return ""
 
 
-def _receive(sock: socket.socket) -> dict[str, Any] | None:
-    """One message, or None when the peer closed the connection."""
-    header = _read_exactly(sock, _HEADER.size)
-    if header is None:
-        return None
-    body = _read_exactly(sock, _HEADER.unpack(header)[0])
-    return None if body is None else json.loads(body)
+def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError | None:
+    """The error every rank raises for ``outcome``, or None when every rank is fine.
 
-
-def _read_exactly(sock: socket.socket, count: int) -> bytes | None:
-    chunks = []
-    while count:
-        chunk = sock.recv(count)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        count -= len(chunk)
-    return b"".join(chunks)
-
-
-# --------------------------------------------------------------------------------- server
-
-
-@dataclass
-class _Point:
-    label: str = ""
-    posts: dict[int, dict[str, Any] | None] = field(default_factory=dict)
-    labels: dict[int, str] = field(default_factory=dict)
-    outcome: dict[str, Any] | None = None
-    waiting: set[int] = field(default_factory=set)
-    delivered: set[int] = field(default_factory=set)
-
-
-class _Decider:
-    """The rules of the server, apart from sockets: posts, give-ups and lost ranks in, the
-    outcome of each point out. Not thread-safe; the server calls it from one thread."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.points: dict[tuple[int, int], _Point] = {}
-        self.lost: set[int] = set()
-        #: (rank, point key, outcome) messages to send, filled by the calls below.
-        self.outbox: list[tuple[int, tuple[int, int], dict[str, Any]]] = []
-
-    def post(self, rank: int, key: tuple[int, int], label: str, status: Any) -> None:
-        point = self.points.setdefault(key, _Point())
-        point.labels[rank] = label
-        point.waiting.add(rank)
-        if point.outcome is None:
-            point.posts[rank] = status
-            if self.lost - set(point.posts) or len(point.posts) == self.world:
-                self._decide(key, point)
-        self._deliver(key, point)
-
-    def give_up(self, rank: int, key: tuple[int, int]) -> None:
-        point = self.points.get(key)
-        if point is None or rank in point.delivered:
-            return  # the outcome is already on its way to that rank
-        if point.outcome is None:
-            self._decide(key, point)
-        self._deliver(key, point)
-
-    def lose(self, rank: int) -> None:
-        self.lost.add(rank)
-        for key, point in list(self.points.items()):
-            if point.outcome is None and rank not in point.posts:
-                self._decide(key, point)
-                self._deliver(key, point)
-
-    def _decide(self, key: tuple[int, int], point: _Point) -> None:
-        missing = sorted(set(range(self.world)) - set(point.posts))
-        point.outcome = {
-            "key": list(key),
-            "statuses": {str(r): s for r, s in point.posts.items()},
-            "labels": {str(r): s for r, s in point.labels.items()},
-            "missing": missing,
-            "lost": sorted(self.lost.intersection(missing)),
-        }
-
-    def _deliver(self, key: tuple[int, int], point: _Point) -> None:
-        if point.outcome is None:
-            return
-        for rank in sorted(point.waiting - point.delivered):
-            self.outbox.append((rank, key, point.outcome))
-            point.delivered.add(rank)
-        if point.delivered | self.lost >= set(range(self.world)):
-            del self.points[key]
-
-
-class _Server(threading.Thread):
-    """TP rank 0's agreement server: one connection per rank, one decider."""
-
-    def __init__(self, world: int, host: str, token: str) -> None:
-        super().__init__(name="fd-cudagraph-agreement", daemon=True)
-        self.token = token
-        self.decider = _Decider(world)
-        self.listener = socket.create_server((host, 0))
-        self.address = self.listener.getsockname()[:2]
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ)
-        self.ranks: dict[socket.socket, int] = {}
-        self.sockets: dict[int, socket.socket] = {}
-
-    def run(self) -> None:
-        while True:
-            for event, _ in self.selector.select():
-                sock = event.fileobj
-                if sock is self.listener:
-                    try:
-                        conn, _ = self.listener.accept()
-                    except OSError:  # closed under us: the ranks already connected still count
-                        self.selector.unregister(sock)
-                        continue
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    conn.setblocking(True)
-                    self.selector.register(conn, selectors.EVENT_READ)
-                    continue
-                try:
-                    message = _receive(sock)
-                except (OSError, ValueError):
-                    message = None
-                if message is None:
-                    self._drop(sock)
-                else:
-                    self._handle(sock, message)
-            for rank, _key, outcome in self.decider.outbox:
-                target = self.sockets.get(rank)
-                if target is not None:
-                    try:
-                        _send(target, outcome)
-                    except OSError:
-                        self._drop(target)
-            self.decider.outbox.clear()
-
-    def _handle(self, sock: socket.socket, message: dict[str, Any]) -> None:
-        op = message.get("op")
-        if op == "hello":
-            if message.get("token") != self.token:
-                self._drop(sock)
-                return
-            rank = int(message["rank"])
-            self.ranks[sock] = rank
-            self.sockets[rank] = sock
-            return
-        rank = self.ranks.get(sock)
-        if rank is None:
-            self._drop(sock)
-            return
-        key = (int(message["key"][0]), int(message["key"][1]))
-        if op == "post":
-            self.decider.post(rank, key, str(message["label"]), message.get("status"))
-        elif op == "give_up":
-            self.decider.give_up(rank, key)
-
-    def _drop(self, sock: socket.socket) -> None:
-        self.selector.unregister(sock)
-        sock.close()
-        rank = self.ranks.pop(sock, None)
-        if rank is not None and self.sockets.get(rank) is sock:
-            del self.sockets[rank]
-            self.decider.lose(rank)
-
-
-# --------------------------------------------------------------------------------- client
-
-
-class Store(Protocol):
-    """What the agreement needs of Paddle's ``TCPStore``."""
-
-    def set(self, key: str, value: str) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def add(self, key: str, amount: int) -> int: ...
-
-
-class SocketLink:
-    """A rank's connection to its group's agreement server (hosted by the group's rank 0)."""
-
-    def __init__(self, sock: socket.socket, rank: int, world: int, server: _Server | None) -> None:
-        self._sock = sock
-        self.rank = rank
-        self.world = world
-        self._server = server  # kept alive with the link on rank 0
-        self._epoch = -1
-        self._point = 0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def connect(
-        cls, store: Store, prefix: str, rank: int, world: int, host: str, timeout: float
-    ) -> SocketLink:
-        """Rank 0 starts the server and publishes its address in ``store`` under ``prefix``;
-        every rank waits for it (at most ``timeout`` seconds) and connects."""
-        server = None
-        if rank == 0:
-            server = _Server(world, host, secrets.token_hex(16))
-            server.start()
-            address = {"host": server.address[0], "port": server.address[1]}
-            store.set(f"{prefix}/server", json.dumps({**address, "token": server.token}))
-            store.add(f"{prefix}/ready", 1)
-        deadline = time.monotonic() + timeout
-        while store.add(f"{prefix}/ready", 0) < 1:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"tensor-parallel rank 0 did not start the CUDA graph agreement server within "
-                    f"{timeout:.0f} s"
-                )
-            time.sleep(_STORE_POLL_SECONDS)
-        published = json.loads(store.get(f"{prefix}/server"))
-        sock = socket.create_connection(
-            (published["host"], published["port"]), timeout=max(deadline - time.monotonic(), 1)
+    Built only from the outcome, which the server gives every rank alike, so the text is the same
+    on every rank (the rank that raises it is in its worker log's name). The channel checked every
+    field read here."""
+    if outcome.channel_failure:
+        return CaptureError(
+            f"The CUDA graph agreement of the tensor-parallel ranks failed at "
+            f"'{outcome.label}': {outcome.channel_failure}. This rank stops rather than enter a "
+            f"collective the others may not join; restart the workers.",
+            stage="agreement",
         )
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)
-        _send(sock, {"op": "hello", "rank": rank, "token": published["token"]})
-        return cls(sock, rank, world, server)
-
-    def next_epoch(self) -> int:
-        with self._lock:
-            self._epoch += 1
-            self._point = 0
-            return self._epoch
-
-    def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
-        with self._lock:
-            key = [self._epoch, self._point]
-            self._point += 1
-            started = time.monotonic()
-            try:
-                _send(self._sock, {"op": "post", "key": key, "label": label, "status": status})
-                reply = self._await(timeout)
-                if reply is _TIMED_OUT:
-                    _send(self._sock, {"op": "give_up", "key": key})
-                    # The server answers a give-up at once: the outcome it decided, or one it
-                    # decides now (abandoned, naming the ranks that did not post).
-                    reply = self._await(max(timeout, 30.0))
-            except OSError:
-                reply = None
-            if reply is _TIMED_OUT:
-                reply = None
-            waited = time.monotonic() - started
-            if reply is None:  # the server is gone: TP rank 0's process exited
-                return Outcome(label, {self.rank: status}, (0,), (0,), waited)
-            return _outcome(label, reply, waited if reply["missing"] else 0.0)
-
-    def _await(self, timeout: float) -> Any:
-        """The server's reply; None when it closed the connection; ``_TIMED_OUT``."""
-        self._sock.settimeout(max(timeout, 0.001))
-        try:
-            return _receive(self._sock)
-        except TimeoutError:
-            return _TIMED_OUT
-        finally:
-            self._sock.settimeout(None)
-
-
-_TIMED_OUT = object()
-
-
-def _outcome(label: str, reply: dict[str, Any], waited: float) -> Outcome:
-    return Outcome(
-        label=label,
-        statuses={int(r): s for r, s in reply["statuses"].items()},
-        missing=tuple(reply["missing"]),
-        lost=tuple(reply["lost"]),
-        waited=waited,
+    failures = outcome.failures
+    missing = [r for r in outcome.missing if r not in failures]
+    # A rank that failed outside a point posts at its next one under its own label: a failure
+    # explains different labels; without one, the ranks have lost step.
+    labels = sorted(set(outcome.labels.values())) if not failures else []
+    if not failures and not missing and not outcome.gave_up and len(labels) <= 1:
+        return None
+    parts = []
+    for failed_rank, failure in failures.items():
+        where = f" for {failure['where']}" if failure["where"] else ""
+        on = f" on tensor-parallel rank {failed_rank} of {world}" if world > 1 else ""
+        parts.append(
+            f"CUDA graph {failure['stage']} failed{on}{where} ({failure['mode']}): "
+            f"{failure['error']}"
+        )
+    text = "; ".join(parts)
+    if failures:
+        text += "." + _advice(list(failures.values()))
+        if any(f["stage"] == "capture" for f in failures.values()):
+            text += _RESTART
+    if len(labels) > 1:
+        text += (
+            (" " if text else "")
+            + "Tensor-parallel ranks reached different agreement points at once: "
+            + "; ".join(
+                f"rank{_s(rs)} {_ranks(rs)} at '{label}'"
+                for label in labels
+                for rs in [[r for r, lb in sorted(outcome.labels.items()) if lb == label]]
+            )
+            + ". Every rank must run the same FastDeploy and plugin with the same settings."
+        )
+    if missing:
+        dropped = [r for r in missing if r in outcome.dropped]
+        lost = [r for r in missing if r in outcome.lost and r not in outcome.dropped]
+        late = [r for r in missing if r not in outcome.lost]
+        if text:
+            text += " "
+        for rank in dropped:
+            text += (
+                f"The agreement server dropped tensor-parallel rank {rank} for what it sent "
+                f"({outcome.dropped[rank]}) before the agreement point '{outcome.label}'. "
+            )
+        if lost:
+            text += (
+                f"Tensor-parallel rank{_s(lost)} {_ranks(lost)} closed {_their(lost)} connection "
+                f"(the process exited or crashed) before the agreement point "
+                f"'{outcome.label}'. "
+            )
+        if late:
+            text += (
+                f"Tensor-parallel rank{_s(late)} {_ranks(late)} did not reach the agreement point "
+                f"'{outcome.label}' within {timeout:.0f} s (FD_CUDAGRAPH_RANK_TIMEOUT): "
+                f"{'it' if len(late) == 1 else 'they'} exited, hang, or do not run "
+                f"fd-cudagraph-plugin (set FD_PLUGINS=fd_cudagraph_plugin for every worker). "
+            )
+        text = text.rstrip()
+    elif outcome.gave_up and not failures and len(labels) <= 1:
+        gave = list(outcome.gave_up)
+        text += (
+            f"Tensor-parallel rank{_s(gave)} {_ranks(gave)} stopped waiting at the agreement "
+            f"point '{outcome.label}' after FD_CUDAGRAPH_RANK_TIMEOUT ({timeout:.0f} s here) just "
+            f"as the last rank arrived: a rank is too slow for the timeout; raise it."
+        )
+    if world > 1:
+        named = sorted({*failures, *missing, *outcome.gave_up})
+        text += (
+            f" Every rank stops here, so none waits in a collective that rank{_s(named)} "
+            f"{_ranks(named)} will not join."
+        )
+    error_type: type[CaptureError] = RankTimeoutError if missing and not failures else CaptureError
+    if failures and all(f["stage"] == "self-check" for f in failures.values()):
+        error_type = SelfCheckError if not missing else CaptureError
+    stage = next(iter(failures.values()))["stage"] if failures else "agreement"
+    return error_type(
+        text,
+        stage=stage,
+        failed_ranks=tuple(failures),
+        missing_ranks=tuple(missing),
+        out_of_memory=any(f["out_of_memory"] for f in failures.values()),
     )
 
 
-def bind_host() -> str:
-    """The address TP rank 0's server listens on: this worker's own endpoint's host (Paddle's
-    launcher sets ``PADDLE_CURRENT_ENDPOINT`` in every worker), else loopback."""
-    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
-    host = endpoint.rpartition(":")[0]
-    return host or "127.0.0.1"
+def _s(ranks: list[int]) -> str:
+    return "s" if len(ranks) > 1 else ""
+
+
+def _their(ranks: list[int]) -> str:
+    return "their" if len(ranks) > 1 else "its"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+class MalformedPayload(CaptureError):
+    """A rank shared a payload its point cannot read: every rank raises this alike."""
+
+
+class Agreement:
+    """The agreement points of one session (or, with no session, of one backend alone).
+
+    ``failure`` is the agreed failure that stopped this session, written here only: every later
+    point re-raises it."""
+
+    def __init__(self, link: Link, timeout: float, report: Report | None) -> None:
+        self.link = link
+        self.timeout = timeout
+        self.report = report
+        self.failure: CaptureError | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.link.rank
+
+    @property
+    def world(self) -> int:
+        return self.link.world
+
+    def run(
+        self,
+        stage: str,
+        participant: Participant | None,
+        key: GraphKey | None,
+        fn: Callable[[], T],
+    ) -> T:
+        """Run ``fn`` on this rank, then agree: raise the same ``CaptureError`` on every rank if
+        it failed on any; else return ``fn``'s result."""
+        box: list[T] = []
+        self._agree(stage, participant, key, lambda: box.append(fn()), None)
+        return box[0]
+
+    def share(
+        self,
+        stage: str,
+        participant: Participant | None,
+        key: GraphKey | None,
+        fn: Callable[[], Any],
+        check: Callable[[Any], bool],
+    ) -> list[Any]:
+        """Like ``run``, and return every rank's result of ``fn`` (JSON-able), in rank order.
+        ``check`` says whether a rank's result is one this point can read; one that is not stops
+        every rank alike (the payload came over the network)."""
+        return self._agree(stage, participant, key, fn, check)
+
+    def fail(self, stage: str, error: BaseException) -> CaptureError:
+        """This rank failed outside a point: post the failure at the next point, return the
+        agreed error (the other ranks meet it there, whichever point they are at)."""
+        if self.failure is not None:
+            return self.failure
+
+        def raise_it() -> None:
+            raise error
+
+        try:
+            self._agree(stage, None, None, raise_it, None)
+        except CaptureError as agreed:
+            return agreed
+        raise AssertionError("a posted failure always ends in an error")  # pragma: no cover
+
+    def stop(self, error: CaptureError) -> CaptureError:
+        """Every rank reached the same verdict outside a point (a plan mismatch, a self-check it
+        agreed on): the session stops with ``error``."""
+        self.failure = error
+        return error
+
+    def _agree(self, stage, participant, key, fn, check):
+        if self.failure is not None:
+            raise self.failure
+        where = str(key) if key is not None else ""
+        mode = _mode(participant, key)
+        status: dict[str, Any] | None
+        try:
+            result = fn()
+        except Exception as error:
+            failure = failure_status(stage, where, mode, self.rank, error)
+            if failure["out_of_memory"] and participant is not None and self.report is not None:
+                phase = key.phase if key is not None else "decode"
+                failure["memory"] = self.report.memory_at_failure(participant, phase)
+            status = {"failure": failure}
+            local: BaseException | None = error
+            forget_locals(error)
+        else:
+            status = {"payload": result} if check is not None else None
+            local = None
+        label = f"{stage} {where}".strip()
+        if participant is not None:
+            label += f" ({participant.role})"
+        started = time.perf_counter()
+        outcome = self.link.agree(label, status, self.timeout)
+        if self.report is not None:
+            self.report.agreement_seconds += time.perf_counter() - started
+            self.report.agreement_points += 1
+        error = agreed_error(outcome, self.world, self.timeout)
+        if error is None and check is not None:
+            error = _unreadable(outcome, label, check)
+        if error is not None:
+            self.failure = error
+            if local is not None:
+                raise error from local
+            raise error
+        return outcome.shared() if check is not None else None
+
+
+def _unreadable(outcome: Outcome, label: str, check: Callable[[Any], bool]) -> CaptureError | None:
+    bad = [rank for rank, payload in enumerate(outcome.shared()) if not _safely(check, payload)]
+    if not bad:
+        return None
+    return MalformedPayload(
+        f"Tensor-parallel rank{_s(bad)} {_ranks(bad)} shared at the agreement point '{label}' "
+        f"what this point cannot read. Every rank must run the same fd-cudagraph-plugin version; "
+        f"every rank stops here.",
+        stage="agreement",
+        failed_ranks=tuple(bad),
+    )
+
+
+def _safely(check: Callable[[Any], bool], payload: Any) -> bool:
+    try:
+        return bool(check(payload))
+    except Exception:
+        return False
+
+
+def forget_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames the error's traceback holds: a failed capture's
+    frames hold tensors in graph-pool memory, which would stay allocated for as long as anyone
+    keeps the error (FastDeploy's worker logs and re-raises it). Line numbers stay."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _mode(participant: Participant | None, key: GraphKey | None) -> str:
+    if participant is None:
+        return "between two agreement points, in FastDeploy's capture loop"
+    settings = participant.settings
+    mode = key.mode if key is not None else settings.mode
+    return (
+        f"{mode} mode, graph_opt_level={settings.graph_opt_level}, "
+        f"full_cuda_graph={settings.full_cuda_graph}"
+    )
+
+
+def solo(timeout: float) -> Agreement:
+    """Points for a backend used outside any session (TP = 1 only): it agrees with itself."""
+    return Agreement(LocalLink(), timeout, None)

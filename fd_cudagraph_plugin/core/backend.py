@@ -1,14 +1,16 @@
-"""The drop-in replacement for FastDeploy's ``CudaGraphPiecewiseBackend``.
+"""The drop-in replacement for FastDeploy's ``CudaGraphPiecewiseBackend``: FastDeploy's contract.
 
 ``GraphOptBackend`` builds one instance per decorated backbone (target model and MTP draft each
 have one) on the first forward with CUDA graphs on, and calls it with the model's keyword
 arguments, ``forward_meta`` among them. This class is that contract (``__init__``, ``__call__``,
-``clear_graph``, ``check_capture_successful``); it composes:
+``clear_graph``, ``check_capture_successful``) and the part a capture session asks of it; it
+composes:
 
-* ``entries.py``: the graph entries, and ``served``, the table the hot path reads;
-* ``dispatch.py``: the one place that decides a step's graph key;
-* ``capture.py``: capturing one entry, with the ranks' agreement points of ``session.py``;
-* ``counts.py``: served traffic and capture-time runs, counted apart.
+* ``entries.py``: the graph entries;
+* ``dispatch.py``: the one place that decides a step's graph, and the fast path serving it;
+* ``capture.py``: capturing one entry, with the ranks' agreement points of ``agreement.py``;
+* ``counts.py``: served traffic and capture-time runs, counted apart, and ``stats()``;
+* ``warmups.py``: which sizes this backend has warmed.
 
 Graph outputs are the tensors the captured run returned. They live in graph memory, the same
 objects come back on every replay of that size, and the next replay overwrites them: FastDeploy's
@@ -21,17 +23,18 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core import fastdeploy, hooks, stats, worker
+from fd_cudagraph_plugin.core import agreement, hooks, process, seam, stats
 from fd_cudagraph_plugin.core.capture import Capturer
-from fd_cudagraph_plugin.core.counts import Counts
+from fd_cudagraph_plugin.core.counts import BackendStats, Counts
 from fd_cudagraph_plugin.core.dispatch import Dispatcher
 from fd_cudagraph_plugin.core.entries import Entries, GraphEntry
 from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError
 from fd_cudagraph_plugin.core.key import DECODE, PREFILL, RUNNING, Step
 from fd_cudagraph_plugin.core.memory import pool_policy
+from fd_cudagraph_plugin.core.report import CaptureReport
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
-from fd_cudagraph_plugin.core.session import CaptureReport, CaptureSession, Points, solo_points
 from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.warmups import WarmedSizes
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -69,6 +72,7 @@ class CudaGraphBackend:
         self.runnable = runnable if runnable is not None else dy_runnable
         #: The backbone layer this backend serves (how the session tells target from draft).
         self.layer = getattr(self.dy_runnable, "__self__", None)
+        self.process = process.current()
         options = settings.options
         self.runtime = runtime if runtime is not None else get_runtime(options.runtime)
         self._static = None
@@ -76,38 +80,33 @@ class CudaGraphBackend:
             from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
             self._static = StaticGraphDriver()
-        self.capturer = Capturer(settings, self.runtime, pool_policy(settings), self._static)
+        self.capturer = Capturer(
+            settings, self.runtime, pool_policy(settings), self._static, self.process.outputs
+        )
         #: Static full mode: do Paddle's graphs decode (True) or the plugin's (False)? Agreed by
         #: every rank at the first decode capture (``_decide_static_decode``); None until then.
         self.static_decode: bool | None = (
             True if settings.static_2_4 else None if settings.static_full else False
         )
-        self.counts = Counts(settings)
-        #: Steps run while a capture session is open: not served traffic.
-        self.capture_counts = Counts(settings)
-        self._by_running = settings.keyed_by_running
-        self._guard_every = options.check_addresses
-        self._guard_ticks = 0
+        self.tally = BackendStats(settings)
+        self.warmed = WarmedSizes()
+        self.role = "target"
+        self._session: Any = None
         self._warned: set[tuple[str, int]] = set()
         self._saw_only_prefill_step = False
         self._build_entries()
-        self._use_counts(self.counts)
-        self.role = "target"
-        self.capture_report: CaptureReport | None = None
-        self._session: CaptureSession | None = None
         self._stats_file = None
         if options.stats_file:
-            self._stats_file = stats.StatsFile(options.stats_file, settings)
-        self.worker = worker.current()
-        self.worker.add(self)
+            self._stats_file = stats.StatsFile(options.stats_file, settings, self.process.outputs)
+        self.process.add(self)
         stats.start_reporter(options)
         if options.metrics:
             from fd_cudagraph_plugin.core import metrics
 
             metrics.enable()
         hooks.install()
-        if self.worker.session is not None:
-            self.worker.session.join(self)
+        if self.process.session is not None:
+            self.process.session.join(self)
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
             logger.warning(
@@ -120,63 +119,28 @@ class CudaGraphBackend:
                 ours,
             )
 
-    def _build_entries(self) -> None:
-        self.entries = Entries(self.settings, bool(self.static_decode), self.settings.dy2st)
-        self.dispatcher = Dispatcher(self.settings, self.entries)
-        self._served = self.entries.served
-        self._keys = len(self._served)
-
-    def _use_counts(self, counts: Counts) -> None:
-        """Point the hot path's counters at ``counts`` (served, or capture-time)."""
-        self._active = counts
-        self._steps, self._tokens = counts.steps, counts.tokens
-
     # ------------------------------------------------------------------ the hot path
 
     def __call__(self, **kwargs: Any) -> Any:
-        meta = kwargs["forward_meta"]
-        tokens = meta.ids_remove_padding.shape[0]
-        if self._by_running:
-            return self._call_by_running(kwargs, meta, tokens)
-        if tokens < self._keys:
-            entry = self._served[tokens]
-            if (
-                entry is not None
-                and not meta.exist_prefill
-                and not (self._guard_every and self._guard_due())
-            ):
-                result = entry.result
-                entry.replay()
-                self._steps[tokens] += 1
-                return result
-        return self._general(kwargs, meta, tokens)
+        return self._serve(kwargs)
 
-    def _call_by_running(self, kwargs: dict, meta: Any, tokens: int) -> Any:
-        """The hot path under speculative decoding: keyed by running requests; a step with more
-        tokens than its graph's size goes to the general path."""
-        running = meta.real_bsz
-        if 0 < running < self._keys:
-            entry = self._served[running]
-            if (
-                entry is not None
-                and 0 < tokens <= entry.key.size  # real_bsz can be stale (overlap scheduling)
-                and not meta.exist_prefill
-                and not (self._guard_every and self._guard_due())
-            ):
-                result = entry.result
-                entry.replay()
-                self._steps[running] += 1
-                self._tokens[running] += tokens
-                return result
-        return self._general(kwargs, meta, tokens)
+    def _build_entries(self) -> None:
+        self.entries = Entries(self.settings, bool(self.static_decode), self.settings.dy2st)
+        self.dispatcher = Dispatcher(self.settings, self.entries)
+        self._rewire()
 
-    def _guard_due(self) -> bool:
-        """True on every Nth servable call: it goes to the general path for the address check."""
-        self._guard_ticks += 1
-        if self._guard_ticks < self._guard_every:
-            return False
-        self._guard_ticks = 0
-        return True
+    def _counting(self) -> Counts:
+        """The counters of this moment: a session's steps are not served traffic."""
+        return self.tally.during_capture if self._session is not None else self.tally.served
+
+    def _rewire(self) -> None:
+        """Point the hot path at the dispatcher's table and this moment's counters. The one
+        place ``_serve`` is set: after the entries are rebuilt and when a session opens or
+        closes."""
+        counts = self._counting()
+        self._serve = self.dispatcher.fast_path(
+            counts.steps, counts.tokens, self.settings.options.check_addresses, self._general
+        )
 
     # ------------------------------------------------------------------ the general path
 
@@ -197,17 +161,17 @@ class CudaGraphBackend:
         return self._capture_and_run(entry, step, tokens, kwargs)
 
     def _replay(self, entry: GraphEntry, step: Step, tokens: int, kwargs: dict) -> Any:
-        if entry.addresses and self._guard_every:
+        if entry.addresses and self.settings.options.check_addresses:
             from fd_cudagraph_plugin.core import guards
 
             guards.check_addresses(entry.addresses, kwargs, entry.size)
-        counts = self._active
+        counts = self._counting()
         if entry.phase == PREFILL:
             counts.prefill_steps[tokens] += 1
         elif step.by == RUNNING:
             counts.steps[step.observed] += 1
             counts.tokens[step.observed] += tokens
-        elif self._by_running:
+        elif self.settings.keyed_by_running:
             # Speculative decoding, served by token count: counted apart, under its requests.
             counts.by_tokens[tokens] += 1
             counts.other_keys[step.observed] += 1
@@ -221,7 +185,7 @@ class CudaGraphBackend:
     def _eager(self, reason: str, tokens: int, kwargs: dict, observed: int | None = None) -> Any:
         """Run the step without a graph through ``dy_runnable``, as FastDeploy runs every step it
         does not graph. ``observed``: a decode step's key, counted as observed."""
-        counts = self._active
+        counts = self._counting()
         counts.fallbacks[reason] += 1
         if observed is not None:
             counts.other_keys[observed] += 1
@@ -247,22 +211,38 @@ class CudaGraphBackend:
     def _capture_and_run(self, entry: GraphEntry, step: Step, tokens: int, kwargs: dict) -> Any:
         session = self._session
         if session is None:
-            if self.worker.sessions_ended or self.settings.tp_size > 1:
+            if self.process.sessions_ended or self.settings.tp_size > 1:
                 # A capture on this rank alone, outside FastDeploy's capture loop, would hang
                 # tensor-parallel peers; after capture_model() every new size runs eagerly.
                 return self._eager("late_capture", tokens, kwargs, step.observed)
-            points = solo_points(self.settings.options)
+            points = agreement.solo(self.settings.options.rank_timeout)
+            warmups, ordered = self.settings.num_warmups, True
         else:
-            points = session.points
+            session.before_capture(self)
+            points = session.agreement
+            warmups, ordered = session.warmups_for(self, entry.key), session.ordered
         if entry.phase == DECODE and self.settings.static_full and self.static_decode is None:
             self._decide_static_decode(kwargs, points)
             return self._general(kwargs, kwargs["forward_meta"], tokens)
         runnable = self.runnable if entry.key.static else self.dy_runnable
-        self.capturer.capture(self, entry, runnable, kwargs, points, session)
-        self.entries.publish(entry)
+        captured = self.capturer.capture(
+            self, entry.key, runnable, kwargs, points, warmups=warmups, ordered=ordered
+        )
+        entry.fill(captured)
+        self.dispatcher.publish(entry)
+        self.warmed.add(entry.key)
+        if session is not None:
+            session.record(
+                self, entry.key, captured.seconds, captured.graph_bytes, captured.warmups
+            )
         if self.settings.options.self_check != "off" and not entry.key.static:
+            from fd_cudagraph_plugin.core import guards
+
             disagreements = self.capturer.self_check(
-                self, entry, lambda: self.dy_runnable(**kwargs), points
+                self,
+                entry.key,
+                lambda: guards.self_check(entry, lambda: self.dy_runnable(**kwargs)),
+                points,
             )
             if disagreements:
                 logger.warning(
@@ -271,12 +251,12 @@ class CudaGraphBackend:
                     entry.key,
                 )
                 entry.disabled = True
-                self.entries.publish(entry)
+                self.dispatcher.publish(entry)
                 return self._eager("self_check_failed", tokens, kwargs, step.observed)
         # The capturing call returns real outputs too; it ran on the captured inputs.
         return self._replay(entry, step, tokens, kwargs)
 
-    def _decide_static_decode(self, kwargs: dict, points: Points) -> None:
+    def _decide_static_decode(self, kwargs: dict, points: agreement.Agreement) -> None:
         """Static full mode: Paddle's graphs decode where the SOT-translated program is one clean
         static graph on every rank, else the plugin captures decode from the dygraph model.
 
@@ -290,12 +270,14 @@ class CudaGraphBackend:
                 self.runnable(**kwargs)
             except Exception as error:
                 if any(text in str(error) for text in _NOT_ONE_STATIC_GRAPH):
-                    return f"{type(error).__name__}: {error}"
+                    return f"{type(error).__name__}: {error}"[:1000]
                 raise
             self.runtime.warmed = True  # it ran the model: no cold capture follows
             return None
 
-        verdicts = points.share("static probe", self, None, probe)
+        verdicts = points.share(
+            "static probe", self, None, probe, lambda v: v is None or isinstance(v, str)
+        )
         broken = [(rank, why) for rank, why in enumerate(verdicts) if why]
         self.static_decode = not broken
         self._build_entries()
@@ -311,10 +293,18 @@ class CudaGraphBackend:
 
     # ------------------------------------------------------------------ sessions
 
-    def join_session(self, session: CaptureSession | None) -> None:
-        """A session opened for this backend (its steps count as capture-time), or closed."""
+    def join_session(self, session: Any, role: str | None) -> None:
+        """A session opened for this backend: its steps count as capture-time."""
         self._session = session
-        self._use_counts(self.capture_counts if session is not None else self.counts)
+        if role is not None:
+            self.role = role
+        self._rewire()
+
+    def leave_session(self, report: CaptureReport | None) -> None:
+        self._session = None
+        if report is not None:
+            self.tally.last_report = report
+        self._rewire()
 
     def plan_fingerprint(self) -> dict[str, Any]:
         s = self.settings
@@ -328,6 +318,9 @@ class CudaGraphBackend:
             "num_speculative_tokens": s.num_speculative_tokens,
             "bsz_table": list(s.bsz_table),
         }
+
+    def unwarmed(self) -> dict[str, list[int]]:
+        return self.warmed.missing(e.key for e in self.expected_entries())
 
     def graphs_expected(self, phase: str) -> int:
         return sum(1 for e in self.expected_entries() if e.phase == phase)
@@ -345,7 +338,7 @@ class CudaGraphBackend:
         addresses. They are released here too. Clearing twice, or before any capture, is
         harmless.
         """
-        others = [b for b in self.worker.backends() if b is not self]
+        others = [b for b in self.process.backends() if b is not self]
         released = self.release_graphs()
         for other in others:
             count = other.release_graphs()
@@ -362,7 +355,7 @@ class CudaGraphBackend:
                     other.role,
                 )
         self.runtime.empty_cache()
-        fastdeploy.clear_ipc_handles()
+        seam.clear_ipc_handles()
         for backend in (self, *others):
             backend.flush_stats()  # after the release: a failing write must not keep graphs
         logger.debug("clear_graph released %d graphs", released)
@@ -404,6 +397,11 @@ class CudaGraphBackend:
     # ------------------------------------------------------------------ stats
 
     @property
+    def capture_report(self) -> CaptureReport | None:
+        """The report of the last capture session this backend took part in."""
+        return self.tally.last_report
+
+    @property
     def cudagraph_capture_sizes(self) -> list[int]:
         return list(self.settings.capture_sizes)
 
@@ -414,56 +412,24 @@ class CudaGraphBackend:
     def observed_keys(self) -> dict[int, int]:
         """Served decode steps per token count, or per running requests under speculative
         decoding, since construction: what ``fd-cudagraph tune`` reads."""
-        return self.counts.observed()
+        return self.tally.served.observed()
 
     def flush_stats(self) -> None:
         if self._stats_file is not None:
             self._stats_file.flush(self)
 
-    def _memory_figures(self) -> dict[str, Any]:
-        """This rank's device memory after the last capture session, and the reserve taken."""
-        from fd_cudagraph_plugin.core import budget
-
-        reserve = self.worker.kv_reserve
-        figures: dict[str, Any] = {"kv_reserve_bytes": reserve.nbytes if reserve else None}
-        report = self.capture_report
-        mine = [m for m in (report.memory if report else []) if m.rank == report.rank]
-        if mine and mine[0].total:
-            m = mine[0]
-            figures["free_after_capture_bytes"] = m.free
-            if m.utilization is not None:
-                figures["fit_gpu_memory_utilization"] = budget.fit_utilization(
-                    m.utilization, m.free, m.total
-                )
-        return figures
-
     def stats(self) -> dict[str, Any]:
         """Counters since construction (they survive ``clear_graph``), as plain data: served
         traffic, and apart from it what ran while FastDeploy captured."""
-        captured = [e for e in self.entries.all() if e.captured]
-        decode = [e for e in captured if e.phase == DECODE]
-        capture_time = self.capture_counts.summary()
-        return {
-            "captures": self.captures,
-            **self.counts.summary(),
-            "capture_time": {
-                "replays": capture_time["replays"],
-                "prefill_replays": capture_time["prefill_replays"],
-                "eager_steps": capture_time["eager_fallbacks"],
-            },
-            "capture_seconds": {e.size: e.capture_seconds for e in decode},
-            "graph_bytes": {e.size: e.graph_bytes for e in decode},
-            "graph_bytes_total": sum(e.graph_bytes for e in captured),
-            "largest_graph_bytes": max((e.graph_bytes for e in captured), default=0),
-            "pool_policy": self.capturer.pool_policy,
-            "memory": self._memory_figures(),
-            "static_full_decode": (
-                None
-                if self.static_decode is None
-                else "static"
-                if self.static_decode
-                else "dynamic"
-            )
-            if self.settings.static_full
-            else None,
-        }
+        reserve = self.process.reserve
+        applied = reserve.applied if reserve is not None else None
+        static = None
+        if self.settings.static_full and self.static_decode is not None:
+            static = "static" if self.static_decode else "dynamic"
+        return self.tally.summary(
+            self.entries.all(),
+            self.captures,
+            self.capturer.pool_policy,
+            static,
+            applied.nbytes if applied is not None else None,
+        )

@@ -7,24 +7,18 @@ of whatever is left. Nothing counts graph memory, so a high ``gpu_memory_utiliza
 memory in capture and a low one leaves memory idle. This module turns what the plugin measures
 into: the free memory after each session and the highest ``gpu_memory_utilization`` that would
 have fit (``fit_utilization``), advice after an out-of-memory in capture, and the reserve of
-``FD_CUDAGRAPH_KV_RESERVE`` with its record of what each plan's graphs took (``Record``).
+``FD_CUDAGRAPH_KV_RESERVE`` (``reserve.py``).
 
-Pure arithmetic and a small file; the hooks that apply a reserve are in ``hooks.py``.
+Pure arithmetic.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from fd_cudagraph_plugin.core.stats import human_bytes
-
-RECORD_FORMAT = "fd-cudagraph-graph-memory/1"
+from fd_cudagraph_plugin.core.text import human_bytes
 
 
 def margin(total: int) -> int:
@@ -75,6 +69,31 @@ class RankMemory:
     def of(cls, payload: dict[str, Any]) -> RankMemory:
         return cls(**payload)
 
+    @staticmethod
+    def readable(payload: Any) -> bool:
+        """Another rank's figures, as they came over the network: exactly these fields, sane
+        numbers (None: that rank captured nothing)."""
+        if payload is None:
+            return True
+        kinds = {
+            "rank": (int,),
+            "graph_bytes": (int,),
+            "taken_bytes": (int,),
+            "free": (int,),
+            "total": (int,),
+            "utilization": (float, int, type(None)),
+            "simulated": (bool,),
+        }
+        if not isinstance(payload, dict) or set(payload) != {f.name for f in fields(RankMemory)}:
+            return False
+        for name, allowed in kinds.items():
+            value = payload[name]
+            if type(value) not in allowed:
+                return False
+            if type(value) in (int, float) and not (math.isfinite(value) and 0 <= value < 2**60):
+                return False
+        return payload["utilization"] is None or 0 < payload["utilization"] <= 1
+
 
 def memory_line(ranks: list[RankMemory], rank: int) -> str:
     """The session's memory figures, for the summary line: the tightest rank's count."""
@@ -111,8 +130,10 @@ def oom_advice(
     free: int | None,
     total: int | None,
     utilization: float | None,
+    kv_reserve: str = "off",
 ) -> str:
-    """What to change after an out-of-memory in capture, from what the failing rank knew."""
+    """What to change after an out-of-memory in capture, from what the failing rank knew.
+    ``kv_reserve`` is what FD_CUDAGRAPH_KV_RESERVE did at this start (``reserve.py``)."""
     if graphs_done:
         parts = [
             f"Out of memory after {graphs_done} of {graphs_planned} graphs, which took "
@@ -139,79 +160,14 @@ def oom_advice(
             )
     else:
         text += " Lower --gpu-memory-utilization,"
-    return (
-        text + " set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room for the graphs, or "
-        "trim --max-num-seqs or cudagraph_capture_sizes in --graph-optimization-config."
-    )
-
-
-# ------------------------------------------------------------------------------ the record
-
-
-def plan_key(fingerprint: dict[str, Any]) -> str:
-    """A record key: what makes graph memory the same from one start to the next (the model,
-    sizes, modes, tensor-parallel size and rank, pool), hashed."""
-    text = json.dumps(fingerprint, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-class Record:
-    """What each plan's graphs took on this rank, kept under FastDeploy's log directory."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    @classmethod
-    def for_rank(cls, log_dir: str, dp_rank: int, tp_rank: int) -> Record:
-        return cls(
-            os.path.join(log_dir, "fd_cudagraph", f"graph_memory.dp{dp_rank}.tp{tp_rank}.json")
+    if kv_reserve == "off":
+        reserve = " set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room for the graphs,"
+    else:
+        reserve = (
+            f" (FD_CUDAGRAPH_KV_RESERVE {kv_reserve} was too little; a recorded figure is "
+            f"dropped, so the next start measures again)"
         )
-
-    def load(self) -> tuple[dict[str, Any], str | None]:
-        """The plans recorded, and why none could be read (missing, corrupt) or None."""
-        try:
-            with open(self.path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except FileNotFoundError:
-            return {}, "no record yet"
-        except (OSError, ValueError) as error:
-            return {}, f"the record {self.path} is unreadable ({type(error).__name__}: {error})"
-        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
-            return {}, f"the record {self.path} is not an {RECORD_FORMAT} file"
-        plans = data.get("plans")
-        return (plans if isinstance(plans, dict) else {}), None
-
-    def lookup(self, key: str) -> tuple[int | None, str]:
-        """The bytes recorded for ``key``, or None and why not."""
-        plans, problem = self.load()
-        if problem is not None:
-            return None, problem
-        entry = plans.get(key)
-        if not isinstance(entry, dict):
-            return None, "no record of this plan yet (model, sizes, modes or ranks changed)"
-        value = entry.get("bytes")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return None, f"the record {self.path} has a bad entry for this plan"
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("time", 0)))
-        return value, f"measured at the start of {when} with this plan"
-
-    def store(self, key: str, nbytes: int, what: dict[str, Any]) -> None:
-        """Keep ``nbytes`` for ``key``; raises OSError (the caller counts it, never fails on it)."""
-        plans, _ = self.load()
-        plans[key] = {"bytes": int(nbytes), "time": round(time.time(), 3), "plan": what}
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
-        temporary = f"{self.path}.{os.getpid()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump({"format": RECORD_FORMAT, "plans": plans}, handle, indent=1)
-        os.replace(temporary, self.path)
-
-
-@dataclass
-class Reserve:
-    """The reserve applied to this worker's KV-cache budget, and where its figure came from."""
-
-    nbytes: int
-    source: str
-    #: The record keys (one per capture phase) whose graphs the reserve is for.
-    keys: tuple[str, ...] = ()
+    return (
+        text + reserve + " or trim --max-num-seqs or cudagraph_capture_sizes in "
+        "--graph-optimization-config."
+    )

@@ -1,11 +1,12 @@
 """Capturing one entry: the order check, warm-ups, the pool, the custom all-reduce, accounting,
-and the self-check, each step followed by an agreement point (``session.Points``).
+and the self-check, each step followed by an agreement point (``agreement.Agreement``).
 
 Dynamic entries are captured by the runtime (``runtime/``); static ones by Paddle inside its
 partial programs (``static.py``). Warm-ups run outside FastDeploy's custom all-reduce capture state
 and the capture inside it: there, every all-reduce that is not being captured returns an
 uninitialised buffer. The graph's buffers are registered (a collective over the TP group) only
-once every rank has said its capture succeeded.
+once every rank has said its capture succeeded. ``capture`` returns what it captured; the backend
+publishes it.
 """
 
 from __future__ import annotations
@@ -14,18 +15,34 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fd_cudagraph_plugin.core import fastdeploy, stats
-from fd_cudagraph_plugin.core.entries import GraphEntry
+from fd_cudagraph_plugin.core import outputs, seam
+from fd_cudagraph_plugin.core.agreement import Agreement, Participant
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError, SelfCheckError
-from fd_cudagraph_plugin.core.key import DECODE
-from fd_cudagraph_plugin.core.runtime import GraphRuntime
-from fd_cudagraph_plugin.core.session import CaptureSession, Member, Points
+from fd_cudagraph_plugin.core.key import DECODE, GraphKey
+from fd_cudagraph_plugin.core.runtime import Graph, GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
 logger = logging.getLogger("fd_cudagraph_plugin")
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One graph, captured and registered on every rank."""
+
+    key: GraphKey
+    #: The runtime's graph (None for a Paddle-managed static capture).
+    graph: Graph | None
+    #: The captured run's return value, structure kept: a tensor or a list with Nones.
+    result: Any
+    graph_bytes: int
+    seconds: float
+    warmups: int
+    #: Input data pointers at capture, when the address guard is on.
+    addresses: tuple[tuple[str, int], ...] = ()
 
 
 class Capturer:
@@ -37,11 +54,13 @@ class Capturer:
         runtime: GraphRuntime,
         pool_policy: str,
         static: StaticGraphDriver | None,
+        outputs_failed: outputs.OutputFailures,
     ) -> None:
         self.settings = settings
         self.runtime = runtime
         self.pool_policy = pool_policy
         self.static = static
+        self._outputs = outputs_failed
         #: The pool this backend captures into; taken at its first capture, given back on clear.
         self.pool: object | None = None
         self.captures = 0
@@ -57,28 +76,25 @@ class Capturer:
 
     def capture(
         self,
-        owner: Member,
-        entry: GraphEntry,
+        owner: Participant,
+        key: GraphKey,
         runnable: Callable,
         kwargs: dict,
-        points: Points,
-        session: CaptureSession | None,
-    ) -> None:
-        """Warm up and capture ``entry``. Raises the agreed ``CaptureError`` when this or any
-        other rank failed; then nothing of this capture is published."""
-        key = entry.key
-        if session is not None:
-            session.before_capture(owner)
-        warmups = self.settings.num_warmups
+        agreement: Agreement,
+        *,
+        warmups: int,
+        ordered: bool = True,
+    ) -> Captured:
+        """Warm up (``warmups`` eager runs) and capture ``key``. Raises the agreed
+        ``CaptureError`` when this or any other rank failed; then nothing was captured.
+        ``ordered``: hold decode captures to the plan's order (every capture but a probe's)."""
         if not self.runtime.warmed:
             # Capturing a cold model fails: libraries initialise lazily (cuBLAS raised
             # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.
             warmups = max(warmups, 1)
 
         def warm_up() -> None:
-            # The probe of FD_CUDAGRAPH_KV_RESERVE=auto captures three sizes out of order, and
-            # the same three on every rank; it releases them before capture_model().
-            if key.phase == DECODE and (session is None or session.phase != "probe"):
+            if key.phase == DECODE and ordered:
                 self._check_order(key.size)
             if self.pool is None and not key.static and self.pool_policy == "instance":
                 self.pool = self.runtime.new_pool()
@@ -87,15 +103,15 @@ class Capturer:
                 self.runtime.warmed = True
 
         started = time.perf_counter()
-        points.run("warm-up", owner, key, warm_up)
-        allreduce = fastdeploy.custom_allreduce()
+        agreement.run("warm-up", owner, key, warm_up)
+        allreduce = seam.custom_allreduce()
         done: dict[str, Any] = {}
 
         def capture() -> None:
             # Measured around the capture alone: warm-ups may grow ordinary allocator memory. The
             # runtime synchronises before it begins the capture (after the warm-up point).
             before = self.runtime.pool_bytes(self.pool)
-            with fastdeploy.allreduce_capturing(allreduce):
+            with seam.allreduce_capturing(allreduce):
                 if key.static:
                     self.static.capture(runnable, kwargs, key.size)
                     done["static"] = True
@@ -106,17 +122,14 @@ class Capturer:
             done["bytes"] = self.runtime.pool_bytes(self.pool) - before
 
         try:
-            points.run("capture", owner, key, capture)
+            agreement.run("capture", owner, key, capture)
             if allreduce is not None:
-                points.run(
-                    "registration",
-                    owner,
-                    key,
-                    lambda: fastdeploy.register_graph_buffers(allreduce),
+                agreement.run(
+                    "registration", owner, key, lambda: seam.register_graph_buffers(allreduce)
                 )
         except CaptureError:
-            # Nothing of a failed capture is published: a graph whose all-reduce buffers were
-            # not registered on every rank must never replay.
+            # Nothing of a failed capture survives: a graph whose all-reduce buffers were not
+            # registered on every rank must never replay.
             graph = done.pop("graph", None)
             if graph is not None:
                 graph.release()
@@ -124,38 +137,35 @@ class Capturer:
                 self.static.discard(key.size)
             done.clear()
             raise
-        if "graph" in done:
-            entry.graph, entry.result = done["graph"], done["result"]
-            entry.replay = entry.graph.replay
-        entry.static_captured = key.static
-        entry.graph_bytes = done["bytes"]
-        entry.capture_seconds = time.perf_counter() - started
-        if key.phase == DECODE:
+        if key.phase == DECODE and ordered:
             self._next += 1
         self.captures += 1
-        if session is not None:
-            session.record(
-                owner, key.phase, key.size, entry.capture_seconds, entry.graph_bytes, warmups
-            )
-        logger.debug("captured %s graph in %.3f s", key, entry.capture_seconds)
-        if not key.static:
-            options = self.settings.options
-            if options.check_addresses:
-                from fd_cudagraph_plugin.core import guards
+        addresses: tuple[tuple[str, int], ...] = ()
+        if not key.static and self.settings.options.check_addresses:
+            from fd_cudagraph_plugin.core import guards  # imports Paddle
 
-                entry.addresses = guards.input_addresses(kwargs)
-            if options.dump_dot:
-                self._dump_dot(owner, entry)
+            addresses = guards.input_addresses(kwargs)
+        captured = Captured(
+            key=key,
+            graph=done.get("graph"),
+            result=done.get("result"),
+            graph_bytes=done["bytes"],
+            seconds=time.perf_counter() - started,
+            warmups=warmups,
+            addresses=addresses,
+        )
+        logger.debug("captured %s graph in %.3f s", key, captured.seconds)
+        if captured.graph is not None and self.settings.options.dump_dot:
+            self._dump_dot(owner, captured)
+        return captured
 
     def self_check(
-        self, owner: Member, entry: GraphEntry, eager: Callable[[], Any], points: Points
+        self, owner: Participant, key: GraphKey, check: Callable[[], str | None], agreement
     ) -> list[str]:
-        """Replay the new graph against eager on every rank; every rank acts on every rank's
-        verdict: raise (``error``) or return the disagreements (``warn``, serve eagerly)."""
-        from fd_cudagraph_plugin.core import guards
-
-        verdicts = points.share(
-            "self-check", owner, entry.key, lambda: guards.self_check(entry, eager)
+        """Every rank runs ``check`` (replay against eager) on its new graph and acts on every
+        rank's verdict: raise (``error``) or return the disagreements (``warn``)."""
+        verdicts = agreement.share(
+            "self-check", owner, key, check, lambda v: v is None or isinstance(v, str)
         )
         found = [(rank, message) for rank, message in enumerate(verdicts) if message]
         if not found:
@@ -166,16 +176,15 @@ class Capturer:
             text = "; ".join(messages) + " (FD_CUDAGRAPH_SELF_CHECK=error)"
             if world > 1:
                 text += " Every tensor-parallel rank stops here."
-            points.failure = SelfCheckError(
-                text, stage="self-check", failed_ranks=tuple(r for r, _ in found)
+            raise agreement.stop(
+                SelfCheckError(text, stage="self-check", failed_ranks=tuple(r for r, _ in found))
             )
-            raise points.failure
         return messages
 
     def _check_order(self, size: int) -> None:
         """Every TP rank must capture the same sizes in the same order: each graph's buffer
         registration is a collective whose lists the ranks match by position."""
-        if fastdeploy.is_xpu():
+        if seam.is_xpu():
             return  # FastDeploy does not check it there either
         plan = self.settings.capture_sizes
         if self._next >= len(plan):
@@ -194,14 +203,15 @@ class Capturer:
                 f"every rank."
             )
 
-    def _dump_dot(self, owner: object, entry: GraphEntry) -> None:
-        directory = os.path.join(stats.log_dir(), "GraphDotFiles")
-        path = os.path.join(directory, f"backend{id(owner):x}_{entry.phase}{entry.size}")
+    def _dump_dot(self, owner: object, captured: Captured) -> None:
+        directory = os.path.join(outputs.log_dir(), "GraphDotFiles")
+        key = captured.key
+        path = os.path.join(directory, f"backend{id(owner):x}_{key.phase}{key.size}")
         try:
             os.makedirs(directory, exist_ok=True)
-            written = self.runtime.dump_dot(entry.graph, path)
+            written = self.runtime.dump_dot(captured.graph, path)
         except OSError as error:
-            stats.output_failed("FD_CUDAGRAPH_DUMP_DOT", path, error)
+            self._outputs.failed("FD_CUDAGRAPH_DUMP_DOT", path, error)
             return
         if not written and not self._dot_unsupported_logged:
             self._dot_unsupported_logged = True

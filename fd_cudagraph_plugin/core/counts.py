@@ -1,4 +1,5 @@
-"""Counters of the steps a backend ran: served traffic apart from capture-time runs.
+"""Counters of the steps a backend ran, served traffic apart from capture-time runs, and the
+figures ``stats()`` reports (``BackendStats``).
 
 A backend keeps two ``Counts``: one for served traffic, one for the steps that run while a capture
 session is open (FastDeploy's dummy-run steps in ``capture_model()``, the capture runs, replays
@@ -18,6 +19,7 @@ copies, which CPython makes in one C call under the GIL.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from fd_cudagraph_plugin.core.settings import Settings
 
@@ -72,3 +74,58 @@ def _add_by_tokens(steps: list[int], table: tuple[int, ...], replays: Counter, p
         if n:
             replays[table[tokens]] += n
             padded[table[tokens]] += n * (table[tokens] - tokens)
+
+
+class BackendStats:
+    """What a backend reports (``CudaGraphBackend.stats()``): its served and capture-time
+    counters, and the figures of its graphs and of its last capture session. Counters survive
+    ``clear_graph``; the backend points its hot path at ``served`` or ``during_capture``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.served = Counts(settings)
+        #: Steps run while a capture session is open: not served traffic.
+        self.during_capture = Counts(settings)
+        #: The report of the last capture session this backend took part in.
+        self.last_report: Any = None
+
+    def summary(
+        self,
+        entries: list[Any],
+        captures: int,
+        pool_policy: str,
+        static_decode: str | None,
+        kv_reserve_bytes: int | None,
+    ) -> dict[str, Any]:
+        captured = [e for e in entries if e.captured]
+        decode = [e for e in captured if e.phase == "decode"]
+        capture_time = self.during_capture.summary()
+        return {
+            "captures": captures,
+            **self.served.summary(),
+            "capture_time": {
+                "replays": capture_time["replays"],
+                "prefill_replays": capture_time["prefill_replays"],
+                "eager_steps": capture_time["eager_fallbacks"],
+            },
+            "capture_seconds": {e.size: e.capture_seconds for e in decode},
+            "graph_bytes": {e.size: e.graph_bytes for e in decode},
+            "graph_bytes_total": sum(e.graph_bytes for e in captured),
+            "largest_graph_bytes": max((e.graph_bytes for e in captured), default=0),
+            "pool_policy": pool_policy,
+            "memory": self._memory(kv_reserve_bytes),
+            "static_full_decode": static_decode,
+        }
+
+    def _memory(self, kv_reserve_bytes: int | None) -> dict[str, Any]:
+        """This rank's device memory after the last capture session, and the reserve taken."""
+        from fd_cudagraph_plugin.core import budget
+
+        figures: dict[str, Any] = {"kv_reserve_bytes": kv_reserve_bytes}
+        mine = self.last_report.mine() if self.last_report is not None else None
+        if mine is not None and mine.total:
+            figures["free_after_capture_bytes"] = mine.free
+            if mine.utilization is not None:
+                figures["fit_gpu_memory_utilization"] = budget.fit_utilization(
+                    mine.utilization, mine.free, mine.total
+                )
+        return figures

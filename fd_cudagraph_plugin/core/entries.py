@@ -1,8 +1,7 @@
-"""Per-size graph entries of one backend, and the tables the hot path reads.
+"""Per-size graph entries of one backend: the graph, its outputs and what its capture cost.
 
-``served[key]`` is the entry the hot path replays for a decode key (token count, or running
-requests under speculative decoding), or None. An entry appears there once it is captured and
-disappears when it is disabled, so the hot path never checks an entry's state.
+An entry is filled from what ``capture.Capturer`` returns (``fill``) and emptied on clear
+(``release``); the dispatcher (``dispatch.py``) decides which entry serves a step.
 """
 
 from __future__ import annotations
@@ -16,10 +15,11 @@ from fd_cudagraph_plugin.core.settings import Settings
 
 
 class GraphEntry:
-    """One key's graph, its outputs and what its capture cost."""
+    """One key's graph. The hot path reads ``size``, ``result`` and ``replay`` only."""
 
     __slots__ = (
         "key",
+        "size",
         "graph",
         "replay",
         "result",
@@ -32,6 +32,7 @@ class GraphEntry:
 
     def __init__(self, key: GraphKey) -> None:
         self.key = key
+        self.size = key.size
         #: The runtime graph of a dynamic capture; None until captured (and for static entries).
         self.graph: Graph | None = None
         #: ``graph.replay``, bound once for the hot path.
@@ -48,10 +49,6 @@ class GraphEntry:
         self.disabled = False
 
     @property
-    def size(self) -> int:
-        return self.key.size
-
-    @property
     def phase(self) -> str:
         return self.key.phase
 
@@ -59,21 +56,31 @@ class GraphEntry:
     def captured(self) -> bool:
         return self.graph is not None or self.static_captured
 
+    def fill(self, captured: Any) -> None:
+        """Take what ``Capturer.capture`` returned (a ``capture.Captured``)."""
+        self.graph = captured.graph
+        self.result = captured.result
+        self.replay = captured.graph.replay if captured.graph is not None else None
+        self.static_captured = captured.graph is None
+        self.graph_bytes = captured.graph_bytes
+        self.capture_seconds = captured.seconds
+        self.addresses = captured.addresses
+
     def release(self) -> None:
         """Drop the graph and its outputs (they live in graph memory)."""
         graph, self.graph = self.graph, None
         self.replay = None
         self.result = None
         self.addresses = ()
+        self.static_captured = False
         if graph is not None:
             graph.release()
 
 
 class Entries:
-    """Every entry of one backend and the ``served`` table over them."""
+    """Every entry of one backend, by phase and size."""
 
     def __init__(self, settings: Settings, static_decode: bool, static_prefill: bool) -> None:
-        self.settings = settings
         self.decode = {
             s: GraphEntry(GraphKey(DECODE, static_decode, s)) for s in settings.decode_sizes
         }
@@ -81,25 +88,9 @@ class Entries:
             s: GraphEntry(GraphKey(PREFILL, static_prefill, s))
             for s in settings.prefill_graph_sizes
         }
-        self.served: list[GraphEntry | None] = [None] * len(settings.key_table)
-        #: For each decode size, the hot path's keys that pad to it.
-        self._keys_of: dict[int, list[int]] = {}
-        for key, size in enumerate(settings.key_table):
-            if key and size:
-                self._keys_of.setdefault(size, []).append(key)
 
     def entry(self, key: GraphKey) -> GraphEntry:
         return (self.decode if key.phase == DECODE else self.prefill)[key.size]
-
-    def publish(self, entry: GraphEntry) -> None:
-        """Let the hot path serve every decode key whose graph ``entry`` is (or stop, once
-        disabled). Prefill graphs and Paddle-managed (static) graphs, which replay through
-        Paddle's partial programs, are served by the general path only."""
-        if entry.phase != DECODE or entry.key.static or self.settings.only_prefill:
-            return
-        served = None if entry.disabled or not entry.captured else entry
-        for key in self._keys_of.get(entry.size, ()):
-            self.served[key] = served
 
     def all(self) -> list[GraphEntry]:
         return [*self.decode.values(), *self.prefill.values()]

@@ -27,11 +27,14 @@ class CaptureError(CudaGraphPluginError, RuntimeError):
         stage: str = "",
         failed_ranks: tuple[int, ...] = (),
         missing_ranks: tuple[int, ...] = (),
+        out_of_memory: bool = False,
     ) -> None:
         super().__init__(message)
         self.stage = stage
         self.failed_ranks = failed_ranks
         self.missing_ranks = missing_ranks
+        #: A rank ran out of device memory.
+        self.out_of_memory = out_of_memory
 
 
 class RankMismatchError(CaptureError):

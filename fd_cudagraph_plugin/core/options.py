@@ -12,7 +12,6 @@ declaration, and tests/test_docs.py checks the README's table against it.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,14 +35,20 @@ MAX_INTERVAL_SECONDS = 86400.0
 MAX_SAMPLING_PERIOD = 1_000_000
 
 
+#: Shortest stats interval: a faster reporter would take time from serving (at 1e-9 s it did:
+#: served steps fell 40%).
+MIN_INTERVAL_SECONDS = 1.0
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= MAX_INTERVAL_SECONDS:
+    if not (value == 0 or MIN_INTERVAL_SECONDS <= value <= MAX_INTERVAL_SECONDS):
         raise ValueError(
-            f"must be a number of seconds from 0 (off) to {MAX_INTERVAL_SECONDS:.0f} (a day)"
+            f"must be 0 (off) or a number of seconds from {MIN_INTERVAL_SECONDS:.0f} to "
+            f"{MAX_INTERVAL_SECONDS:.0f} (a day)"
         )
     return value
 
@@ -125,8 +130,8 @@ def _path(text: str) -> str:
     if os.path.isdir(probe):
         raise ValueError(f"{probe} is a directory; name a file in it, e.g. {probe}/out-{{rank}}")
     if os.path.exists(probe):
-        # An existing file (or device) is opened for writing later; never open it here: a FIFO
-        # would block.
+        # Never opened here (a FIFO would block). A FIFO or device is refused at each write,
+        # counted and logged once (outputs.py): the worker starts and serves.
         if not os.access(probe, os.W_OK):
             raise ValueError(f"{probe} exists and is not writable; choose a writable path")
         return path
@@ -135,6 +140,25 @@ def _path(text: str) -> str:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{ancestor} is a file, so no directory can be made below it")
+    # No file is created to find out (options are read at every start, by every rank): where
+    # os.access is wrong (root on a read-only mount), the first write fails, is counted and
+    # logged once, and serving goes on.
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create files in {ancestor}; choose a writable directory")
+    return path
+
+
+def probe_writable(path: str) -> None:
+    """Create and remove a file where ``path`` would be written: what ``os.access`` cannot tell
+    (root on ``/proc``). For ``fd-cudagraph doctor``; a worker's start creates nothing."""
+    import tempfile
+
+    probe = os.path.abspath(os.path.expanduser(path))
+    for placeholder in PATH_PLACEHOLDERS:
+        probe = probe.replace(placeholder, "0")
+    ancestor = os.path.dirname(probe)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
     try:
         with tempfile.TemporaryFile(dir=ancestor):
             pass
@@ -143,7 +167,10 @@ def _path(text: str) -> str:
             f"cannot create files in {ancestor} ({error.strerror or error}); choose a writable "
             "directory"
         ) from None
-    return path
+
+
+#: Options whose value is a path the plugin writes.
+PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
 
 
 def _sampling(text: str) -> int:
@@ -229,7 +256,7 @@ OPTIONS: tuple[Option, ...] = (
         "FD_CUDAGRAPH_STATS_INTERVAL",
         "0",
         (),
-        "Seconds between periodic stats log lines (and stats-file flushes); 0 is off.",
+        "Seconds between periodic stats log lines (and stats-file flushes): 0 (off) or 1 to 86400.",
         _seconds,
     ),
     Option(

@@ -57,6 +57,50 @@ def _count(name: str, value: object, *, minimum: int, fix: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits: read from ``fd_config`` once (``read_ranks``), for the backend's
+    settings, the session's agreement link, file names and metric labels alike."""
+
+    tp_rank: int
+    tp_size: int
+    #: The tensor-parallel group's global ranks (``paddle.distributed`` ranks).
+    tp_group: tuple[int, ...]
+    dp_rank: int
+    dp_size: int
+
+
+def read_ranks(fd_config: Any) -> Ranks:
+    """``parallel_config``'s tensor- and data-parallel place. ``tp_group`` is a
+    ``paddle.distributed`` group made with ``new_group(range(dp_rank * tp, (dp_rank + 1) * tp))``
+    on every release; its ``rank`` is this process's rank in it."""
+    parallel = getattr(fd_config, "parallel_config", None)
+    tp_size = _count(
+        "parallel_config.tensor_parallel_size",
+        getattr(parallel, "tensor_parallel_size", 1),
+        minimum=1,
+        fix="Pass --tensor-parallel-size with a positive value.",
+    )
+    group = getattr(parallel, "tp_group", None)
+    members = getattr(group, "ranks", None)
+    if not isinstance(members, (list, tuple)) or len(members) != tp_size:
+        members = range(tp_size)
+    tp_rank = getattr(group, "rank", None)
+    if not _is_int(tp_rank) or not 0 <= tp_rank < tp_size:
+        tp_rank = getattr(parallel, "tensor_parallel_rank", 0)
+    tp_rank = tp_rank if _is_int(tp_rank) and 0 <= tp_rank < tp_size else 0
+    # 2.4 .. develop all have these two (worker_process.py sets the rank from the worker index).
+    dp_rank = getattr(parallel, "data_parallel_rank", 0)
+    dp_size = getattr(parallel, "data_parallel_size", 1)
+    return Ranks(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tp_group=tuple(int(r) for r in members),
+        dp_rank=dp_rank if _is_int(dp_rank) and dp_rank >= 0 else 0,
+        dp_size=dp_size if _is_int(dp_size) and dp_size >= 1 else 1,
+    )
+
+
 def _flag(value: object) -> bool:
     """FastDeploy reads its boolean settings by truth value and checks none of them; so do we."""
     return bool(value)
@@ -85,16 +129,15 @@ class Settings:
     speculative_method: str | None
     num_speculative_tokens: int
     max_num_seqs: int
-    tp_size: int
-    tp_rank: int
-    #: FastDeploy's ``parallel_config.data_parallel_rank`` (worker index // TP size) and size.
-    dp_rank: int
-    dp_size: int
+    ranks: Ranks
     custom_allreduce_disabled: bool
     #: ``cache_config.gpu_memory_utilization``: FastDeploy's KV-cache budget, a share of the GPU.
     gpu_memory_utilization: float | None
-    #: ``model_config.model``: what the graphs are of (a key of the graph-memory record).
+    #: ``model_config.model``, its dtype and quantization: what the graphs are of (the
+    #: graph-memory record is keyed by them).
     model_name: str
+    dtype: str
+    quantization: str
     #: FastDeploy 2.4: it hands the backend no dygraph runnable, its ForwardMeta has no
     #: ``exist_prefill``, and with ``graph_opt_level`` >= 1 it runs every graphed step as a
     #: Paddle-managed static graph (``run_static_model``), whatever ``full_cuda_graph`` says.
@@ -104,6 +147,22 @@ class Settings:
     prefill_table: tuple[int, ...] = field(repr=False)
     bsz_table: tuple[int, ...] = field(repr=False)
     padding_disagreements: tuple[tuple[int, int, int], ...] = field(repr=False)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.ranks.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.ranks.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ranks.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.ranks.dp_size
 
     @property
     def dy2st(self) -> bool:
@@ -172,7 +231,12 @@ class Settings:
         *,
         fastdeploy_2_4: bool = False,
     ) -> Settings:
-        options = PluginOptions.from_env(environ)
+        if environ is not None:
+            options = PluginOptions.from_env(environ)
+        else:
+            from fd_cudagraph_plugin.core import process
+
+            options = process.current().options
         graph = getattr(fd_config, "graph_opt_config", None)
         if graph is None:
             raise ConfigError(
@@ -229,19 +293,7 @@ class Settings:
             fix="Pass --max-num-seqs with a positive value.",
         )
         parallel = getattr(fd_config, "parallel_config", None)
-        tp_size = _count(
-            "parallel_config.tensor_parallel_size",
-            getattr(parallel, "tensor_parallel_size", 1),
-            minimum=1,
-            fix="Pass --tensor-parallel-size with a positive value.",
-        )
-        tp_rank = getattr(parallel, "tensor_parallel_rank", 0)
-        tp_rank = tp_rank if _is_int(tp_rank) and tp_rank >= 0 else 0
-        # 2.4 .. develop all have these two (worker_process.py sets the rank from the worker index).
-        dp_rank = getattr(parallel, "data_parallel_rank", 0)
-        dp_rank = dp_rank if _is_int(dp_rank) and dp_rank >= 0 else 0
-        dp_size = getattr(parallel, "data_parallel_size", 1)
-        dp_size = dp_size if _is_int(dp_size) and dp_size >= 1 else 1
+        model = getattr(fd_config, "model_config", None)
 
         decode_table = padding_table(sizes)
         bsz_table = _bsz_table(getattr(graph, "real_bsz_to_captured_size", None), decode_table)
@@ -257,13 +309,12 @@ class Settings:
             speculative_method=method,
             num_speculative_tokens=k,
             max_num_seqs=max_num_seqs,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
+            ranks=read_ranks(fd_config),
             custom_allreduce_disabled=bool(getattr(parallel, "disable_custom_all_reduce", False)),
             gpu_memory_utilization=_utilization(getattr(fd_config, "cache_config", None)),
-            model_name=str(getattr(getattr(fd_config, "model_config", None), "model", "") or ""),
+            model_name=str(getattr(model, "model", "") or ""),
+            dtype=str(getattr(model, "dtype", "") or ""),
+            quantization=_quantization(fd_config),
             fastdeploy_2_4=fastdeploy_2_4,
             options=options,
             decode_table=tuple(decode_table),
@@ -277,6 +328,20 @@ class Settings:
         )
         prefill_table = tuple(padding_table(settings.prefill_graph_sizes))
         return dataclasses.replace(settings, prefill_table=prefill_table)
+
+
+def _quantization(fd_config: object) -> str:
+    """The quantization the weights run with: FastDeploy's ``quant_config`` (its ``name()``),
+    else ``model_config.quantization``; "" for none."""
+    quant = getattr(fd_config, "quant_config", None)
+    name = getattr(quant, "name", None)
+    if callable(name):
+        try:
+            return str(name())
+        except Exception:
+            return type(quant).__name__
+    raw = getattr(getattr(fd_config, "model_config", None), "quantization", None)
+    return "" if raw is None else str(raw)[:200]
 
 
 def _utilization(cache_config: object) -> float | None:

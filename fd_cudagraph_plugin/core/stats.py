@@ -10,92 +10,23 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import threading
 import time
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any
 
-from fd_cudagraph_plugin.core import metrics, worker
+from fd_cudagraph_plugin.core import metrics, outputs, process
+from fd_cudagraph_plugin.core.text import human_bytes, plural
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 STATS_FORMAT = "fd-cudagraph-stats/1"
 
-_reporter: _Reporter | None = None
-
-
-#: Writes of the plugin's own files that failed, by setting: logged once each, never raised.
-output_failures: Counter[str] = Counter()
-
-
-def output_failed(setting: str, path: str, error: BaseException) -> None:
-    """A report, stats or dot file could not be written: log once per setting and count it.
-    Observability must never stop capture, serving or ``clear_graph()``."""
-    output_failures[setting] += 1
-    if output_failures[setting] == 1:
-        logger.warning(
-            "%s: cannot write %s (%s: %s); serving goes on without it. Further failures are "
-            "counted in stats.output_failures without another warning.",
-            setting,
-            path,
-            type(error).__name__,
-            error,
-        )
-
-
-def _failed_once(key: str, what: str) -> None:
-    """In an ``except`` block: log the traceback the first time ``key`` fails, count every time.
-    Observability never takes serving down."""
-    if not output_failures[key]:
-        logger.exception("fd-cudagraph %s failed; serving goes on", what)
-    output_failures[key] += 1
-
-
-class Ranks(Protocol):
-    """Where a process sits in the deployment (``Settings`` is one)."""
-
-    tp_rank: int
-    tp_size: int
-    dp_rank: int
-    dp_size: int
-
-
-def log_dir() -> str:
-    """FastDeploy's log directory (``FD_LOG_DIR``, FastDeploy's default ``log``): where the
-    graph-memory record and the dot files go."""
-    return os.environ.get("FD_LOG_DIR", "log")
-
-
-def output_path(template: str, ranks: Ranks | None = None) -> str:
-    """The file this process writes for FD_CUDAGRAPH_MEMORY_REPORT or FD_CUDAGRAPH_STATS_FILE.
-
-    ``{rank}`` becomes the tensor-parallel rank and ``{dp_rank}`` the data-parallel rank. So that
-    no two workers of a deployment write one file, a placeholder the deployment needs (``{rank}``
-    when TP > 1, ``{dp_rank}`` when DP > 1) but the template lacks is added before the extension:
-    ``graphs.json`` becomes ``graphs.dp1.tp0.json``. A single-GPU deployment keeps the path as
-    given. ``ranks`` defaults to those of this process's backends.
-    """
-    if ranks is None:
-        backends = live_backends()
-        if not backends:
-            return template.replace("{rank}", "0").replace("{dp_rank}", "0")
-        ranks = backends[-1].settings  # every backend of a process has the same ranks
-    suffix = ""
-    if ranks.dp_size > 1 and "{dp_rank}" not in template:
-        suffix += f".dp{ranks.dp_rank}"
-    if ranks.tp_size > 1 and "{rank}" not in template:
-        suffix += f".tp{ranks.tp_rank}"
-    path = template.replace("{rank}", str(ranks.tp_rank)).replace("{dp_rank}", str(ranks.dp_rank))
-    if suffix:
-        head, name = os.path.split(path)
-        stem, extension = os.path.splitext(name)
-        path = os.path.join(head, f"{stem}{suffix}{extension}")
-    return path
+__all__ = ["human_bytes"]
 
 
 def live_backends() -> list[Any]:
-    return worker.current().backends()
+    return process.current().backends()
 
 
 def aggregate() -> dict[str, Any]:
@@ -122,13 +53,6 @@ def aggregate() -> dict[str, Any]:
     }
 
 
-def human_bytes(count: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
-
-
 def _eager(fallbacks: dict[str, int]) -> str:
     """``3 eager steps (oversized decode 2, zero tokens 1)``, or ``no eager steps``."""
     total = sum(fallbacks.values())
@@ -137,14 +61,15 @@ def _eager(fallbacks: dict[str, int]) -> str:
     reasons = ", ".join(
         f"{reason.replace('_', ' ')} {n}" for reason, n in sorted(fallbacks.items()) if n
     )
-    return f"{total} eager step{'s' if total != 1 else ''} ({reasons})"
+    return f"{plural(total, 'eager step')} ({reasons})"
 
 
 def format_table(own: dict[str, Any], title: str) -> str:
     """A per-size table of one backend's ``stats()``: replays, padding, capture time, memory."""
     lines = [
-        f"{title}: {own['captures']} captures, {sum(own['replays'].values())} replays, "
-        f"{own['padded_tokens']} padded tokens, {_eager(own['eager_fallbacks'])}",
+        f"{title}: {plural(own['captures'], 'capture')}, "
+        f"{plural(sum(own['replays'].values()), 'replay')}, "
+        f"{plural(own['padded_tokens'], 'padded token')}, {_eager(own['eager_fallbacks'])}",
         f"{'size':>6} {'replays':>9} {'padded':>9} {'capture ms':>11} {'graph memory':>13}",
     ]
     sizes = sorted(set(own["replays"]) | set(own["capture_seconds"]))
@@ -168,7 +93,7 @@ def log_summary(reason: str, backends: list[Any] | None = None) -> None:
                 title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
                 logger.info("%s", format_table(own, title))
     except Exception:
-        _failed_once("summary", "summary table")
+        process.current().outputs.failed_here("summary", "summary table")
 
 
 class StatsFile:
@@ -182,8 +107,9 @@ class StatsFile:
     failed write is logged once and retried with the next flush.
     """
 
-    def __init__(self, path: str, settings: Any) -> None:
-        self.path = output_path(path, settings)
+    def __init__(self, path: str, settings: Any, failures: outputs.OutputFailures) -> None:
+        self.path = outputs.output_path(path, settings)
+        self._failures = failures
         self.rank = settings.tp_rank
         self.by_running = settings.keyed_by_running
         self.method = settings.speculative_method
@@ -213,13 +139,9 @@ class StatsFile:
         else:
             line["decode_token_counts"] = counts
         try:
-            directory = os.path.dirname(self.path)
-            if directory:
-                os.makedirs(directory, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(line) + "\n")
+            outputs.write_file(self.path, json.dumps(line) + "\n", append=True)
         except OSError as error:
-            output_failed("FD_CUDAGRAPH_STATS_FILE", self.path, error)
+            self._failures.failed("FD_CUDAGRAPH_STATS_FILE", self.path, error)
             return
         self._written[key] = current
 
@@ -229,7 +151,7 @@ def flush_all() -> None:
         try:
             backend.flush_stats()
         except Exception:
-            _failed_once("flush", "stats flush")
+            process.current().outputs.failed_here("flush", "stats flush")
 
 
 def publish_metrics() -> None:
@@ -237,10 +159,11 @@ def publish_metrics() -> None:
     is logged once and counted, never raised: metrics must not stop serving."""
     if not metrics.enabled():
         return
+    failures = process.current().outputs
     try:
-        metrics.publish(live_backends(), dict(output_failures))  # a copy: writers may add keys
+        metrics.publish(live_backends(), dict(failures.counts))  # a copy: writers may add keys
     except Exception as error:
-        output_failed("FD_CUDAGRAPH_METRICS", metrics.destination(), error)
+        failures.failed("FD_CUDAGRAPH_METRICS", metrics.destination(), error)
 
 
 #: How often the stats file is written when ``FD_CUDAGRAPH_STATS_INTERVAL`` is 0 and metrics are
@@ -249,7 +172,7 @@ def publish_metrics() -> None:
 STATS_FILE_FLUSH_SECONDS = 60.0
 
 
-class _Reporter(threading.Thread):
+class Reporter(threading.Thread):
     """Every N seconds: flush the stats files, publish the metrics, and log a line if
     ``FD_CUDAGRAPH_STATS_INTERVAL`` asked for one."""
 
@@ -267,7 +190,7 @@ class _Reporter(threading.Thread):
                 try:
                     self._log_totals()
                 except Exception:  # a reporter that dies silently helps nobody
-                    _failed_once("stats_log", "periodic stats line")
+                    process.current().outputs.failed_here("stats_log", "periodic stats line")
 
     @staticmethod
     def _log_totals() -> None:
@@ -295,18 +218,18 @@ def reporter_interval(options: Any) -> float:
 
 def start_reporter(options: Any) -> None:
     """Start the periodic thread once per process, if the options ask for it."""
-    global _reporter
+    owner = process.current()
     interval = reporter_interval(options)
-    if _reporter is None and interval > 0:
-        _reporter = _Reporter(interval, log=options.stats_interval > 0)
-        _reporter.start()
+    if owner.reporter is None and interval > 0:
+        owner.reporter = Reporter(interval, log=options.stats_interval > 0)
+        owner.reporter.start()
 
 
 def stop_reporter() -> None:
-    global _reporter
-    if _reporter is not None:
-        _reporter.stopped.set()
-        _reporter = None
+    owner = process.current()
+    if owner.reporter is not None:
+        owner.reporter.stopped.set()
+        owner.reporter = None
 
 
 @atexit.register

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from fd_cudagraph_plugin.core import fastdeploy
+from fd_cudagraph_plugin.core import seam
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.core.stats import format_table
 
@@ -148,7 +148,7 @@ def _equivalent_config(sizes: list[int], max_num_seqs: int, warmups: int) -> Any
 
 
 def _meta_class():
-    module = fastdeploy.import_or_none(fastdeploy.FORWARD_META_MODULE)
+    module = seam.import_or_none(seam.FORWARD_META_MODULE)
     return getattr(module, "ForwardMeta", DemoMeta)
 
 
@@ -158,8 +158,8 @@ def run_demo(
     import paddle
 
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
-    from fd_cudagraph_plugin.core.capture import CaptureSession
     from fd_cudagraph_plugin.core.runtime import make_runtime
+    from fd_cudagraph_plugin.core.session import CaptureSession
 
     sizes = sorted(set(sizes or DEFAULT_SIZES), reverse=True)
     if runtime_name is None:

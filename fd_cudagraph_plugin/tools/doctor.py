@@ -16,17 +16,19 @@ from dataclasses import dataclass
 
 from fd_cudagraph_plugin import __version__
 from fd_cudagraph_plugin.core.errors import ConfigError
-from fd_cudagraph_plugin.core.fastdeploy import BACKEND_MODULE as _BACKEND_MODULE
-from fd_cudagraph_plugin.core.fastdeploy import BACKEND_NAME as _NAME
-from fd_cudagraph_plugin.core.fastdeploy import constructor_shape, cuda_runtime_blocker
-from fd_cudagraph_plugin.core.fastdeploy import version as fastdeploy_version
 from fd_cudagraph_plugin.core.options import (
     OPTION_PREFIX,
     OPTIONS,
+    PATH_OPTIONS,
+    probe_writable,
     read_option,
     removed_option_error,
     unknown_options,
 )
+from fd_cudagraph_plugin.core.seam import BACKEND_MODULE as _BACKEND_MODULE
+from fd_cudagraph_plugin.core.seam import BACKEND_NAME as _NAME
+from fd_cudagraph_plugin.core.seam import constructor_shape, cuda_runtime_blocker
+from fd_cudagraph_plugin.core.seam import version as fastdeploy_version
 from fd_cudagraph_plugin.plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -326,6 +328,12 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
             values[option.env] = read_option(option.env, environ)
         except ConfigError as error:
             errors.append(str(error))
+            continue
+        if option.env in PATH_OPTIONS and values[option.env]:
+            try:
+                probe_writable(values[option.env])
+            except ValueError as error:
+                errors.append(f"{option.env}={environ[option.env]!r}: {error}. Fix or unset it.")
     if errors:
         return CheckResult(name, FAIL, " ".join(errors))
     set_here = [o.env for o in OPTIONS if environ.get(o.env, "").strip()]

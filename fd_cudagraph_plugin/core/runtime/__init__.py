@@ -53,6 +53,9 @@ class GraphRuntime(Protocol):
     def device_memory(self) -> tuple[int, int] | None:
         """(free, total) bytes of the device from the driver, or None where it cannot say."""
 
+    def device_name(self) -> str:
+        """The device model (graph memory differs between models)."""
+
     def dump_dot(self, graph: Graph, path: str) -> bool:
         """Write the graph's dot file under ``path``; False when the runtime cannot."""
 

@@ -38,6 +38,7 @@ def paddle_cuda() -> Any:
         memory_reserved=lambda: paddle.device.cuda.memory_reserved(),
         empty_cache=paddle.device.cuda.empty_cache,
         device_memory=_driver_memory,
+        device_name=lambda: paddle.device.cuda.get_device_name(),
         CUDAGraph=None,
         new_pool_id=None,
         is_cuda_graph_supported=None,
@@ -171,6 +172,12 @@ class CudaRuntime:
 
     def device_memory(self) -> tuple[int, int] | None:
         return self._api.device_memory()
+
+    def device_name(self) -> str:
+        try:
+            return str(self._api.device_name())
+        except Exception:  # the record key only loses the device model
+            return "unknown CUDA device"
 
     def pool_bytes(self, pool: object) -> int:
         # Paddle exposes no per-pool statistic. Graph pools are reserved memory, and only the

@@ -209,6 +209,9 @@ class SimulatedRuntime:
         used = self.other_used + self._kept + sum(self._pool_bytes.values())
         return self.device_total - used, self.device_total
 
+    def device_name(self) -> str:
+        return "simulated"
+
     def pool_bytes(self, pool: object) -> int:
         """Bytes held by ``pool``; with None, the allocator's reserved counter: every pool and
         what the first capture kept."""

@@ -1,9 +1,10 @@
-"""The one place that knows FastDeploy's internals.
+"""The seam to FastDeploy: the one module that knows FastDeploy's internals.
 
-Everything the plugin reads or changes in FastDeploy goes through here, with the release
-differences it depends on: the backend binding ``GraphOptBackend`` looks up, ``ForwardMeta``'s
-fields, the worker log, the runners' capture loops, the custom all-reduce, the platform, the
-tensor-parallel group and the store Paddle's launcher gives every worker. Facts are from the
+A call into this module (``seam.clear_ipc_handles()``) is the plugin adapting to FastDeploy, never
+FastDeploy's own code. Everything the plugin reads or changes in FastDeploy goes through here,
+with the release differences it depends on: the backend binding ``GraphOptBackend`` looks up,
+``ForwardMeta``'s fields, the worker log, the runners' capture loops, the custom all-reduce, the
+platform and the store Paddle's launcher gives every worker. Facts are from the
 ``gongshaotian/FastDeploy`` branches ``2.4_r3``, ``r3_ban_cpucache_2.5``, ``r3_eos_2.6`` and
 ``r3_mm_dev`` (develop).
 """
@@ -31,9 +32,6 @@ FORWARD_META_MODULE = "fastdeploy.model_executor.forward_meta"
 #: which), and 0 running requests makes the backend count them from seq_lens_this_time, as 2.5's
 #: own backend does.
 FORWARD_META_DEFAULTS = {"exist_prefill": False, "real_bsz": 0}
-
-#: (class, name) pairs backfill_forward_meta added, so tests can take them away again.
-_backfilled: list[tuple[type, str]] = []
 
 
 def import_or_none(name: str) -> Any:
@@ -77,23 +75,24 @@ def bind_backend(cls: type) -> object:
     return getattr(module, "_fd_cudagraph_native_backend", native)
 
 
-def backfill_forward_meta() -> list[str]:
+def backfill_forward_meta(patches: list[tuple[type, str]]) -> list[str]:
     """Give ``ForwardMeta`` class-level defaults for the fields its release lacks, so the replay
-    path reads plain attributes on every release; return the names added. Fields the class has
-    (as dataclass defaults, on 2.5+) are left alone."""
+    path reads plain attributes on every release; return the names added, and note each in
+    ``patches`` (the process's list, so tests can take them away). Fields the class has (as
+    dataclass defaults, on 2.5+) are left alone."""
     cls = getattr(import_or_none(FORWARD_META_MODULE), "ForwardMeta", None)
     if cls is None:  # every release has it; a layout we do not know keeps its own
         return []
     added = [name for name in FORWARD_META_DEFAULTS if not hasattr(cls, name)]
     for name in added:
         setattr(cls, name, FORWARD_META_DEFAULTS[name])
-        _backfilled.append((cls, name))
+        patches.append((cls, name))
     return added
 
 
-def undo_backfill() -> None:
-    while _backfilled:
-        cls, name = _backfilled.pop()
+def undo_patches(patches: list[tuple[type, str]]) -> None:
+    while patches:
+        cls, name = patches.pop()
         delattr(cls, name)
 
 
@@ -358,24 +357,7 @@ def clear_ipc_handles() -> None:
         communication.custom_ar_clear_ipc_handles()
 
 
-# ------------------------------------------------------------------------ the tensor-parallel group
-
-
-def tensor_parallel_group(fd_config: Any) -> tuple[list[int], int] | None:
-    """The TP group's global ranks and this process's rank in it, or None for TP = 1.
-
-    ``parallel_config.tp_group`` is a ``paddle.distributed`` group made with
-    ``new_group(range(dp_rank * tp, (dp_rank + 1) * tp))`` on every release."""
-    parallel = getattr(fd_config, "parallel_config", None)
-    size = getattr(parallel, "tensor_parallel_size", 1)
-    if not isinstance(size, int) or size <= 1:
-        return None
-    group = getattr(parallel, "tp_group", None)
-    ranks = list(getattr(group, "ranks", None) or range(size))
-    rank = getattr(group, "rank", None)
-    if not isinstance(rank, int) or rank < 0:
-        rank = int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
-    return ranks, rank
+# ------------------------------------------------------------------------ the job's store
 
 
 def job_store() -> Any:

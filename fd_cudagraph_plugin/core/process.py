@@ -1,0 +1,91 @@
+"""What one FastDeploy worker process holds for the plugin, and nothing else does.
+
+FastDeploy builds backends one at a time and gives them no shared object, so what outlives one
+backend lives here, on one object per process: the live backends, the capture session open now,
+the agreement links, the options read once, and the state of the parts that span sessions (the KV
+reserve, what has been warmed, the stats reporter, failed side-channel writes). Each part's
+state is written by its own module only (``reserve.py``, ``warmups.py``, ``stats.py``).
+
+The other process-wide state of the package, by design: the runtime registry
+(``runtime.get_runtime``: every backend of a process shares one runtime and its pools) and the
+Prometheus metrics (``metrics.py``: ``prometheus_client`` registers them once per process).
+Tests start each case with a fresh ``WorkerProcess`` (``reset_for_tests``), as a new worker would.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.outputs import OutputFailures
+
+
+class WorkerProcess:
+    def __init__(self) -> None:
+        self._backends: list[weakref.ref] = []
+        self._lock = threading.Lock()
+        self._options: PluginOptions | None = None
+        #: The ``session.CaptureSession`` open now, if any (sessions do not nest).
+        self.session: Any = None
+        #: Sessions that have ended in this process: once one has, a size first seen later runs
+        #: eagerly (a capture on one rank alone hangs tensor parallelism).
+        self.sessions_ended = 0
+        #: This process's links to its tensor-parallel group's agreement server, by name.
+        self.links: dict[str, Any] = {}
+        #: Names of agreement channels in Paddle's job store start with this (tests, which run
+        #: several "workers" one after another in one job, give each its own).
+        self.link_prefix = "fd-cudagraph/v2"
+        self.outputs = OutputFailures()
+        #: ``reserve.KvReserve``: FD_CUDAGRAPH_KV_RESERVE's state (written by reserve.py).
+        self.reserve: Any = None
+        #: ``warmups.WarmHistory``: what this process has warmed (written by warmups.py).
+        self.warmed: Any = None
+        #: ``stats.Reporter``, the periodic thread, once started (written by stats.py).
+        self.reporter: Any = None
+        #: register() has said in the worker log what it did (it may be called again).
+        self.announced = False
+        #: (class, attribute) pairs the plugin added to FastDeploy's classes (seam.py).
+        self.patches: list[tuple[type, str]] = []
+
+    @property
+    def options(self) -> PluginOptions:
+        """The ``FD_CUDAGRAPH_*`` options, read from the environment once per process."""
+        if self._options is None:
+            self._options = PluginOptions.from_env()
+        return self._options
+
+    def forget_options(self) -> None:
+        """Read the options again at the next use. For tests, which change the environment of
+        one process between cases; a worker's never changes."""
+        self._options = None
+
+    def add(self, backend: Any) -> None:
+        with self._lock:
+            self._backends[:] = [ref for ref in self._backends if ref() is not None]
+            self._backends.append(weakref.ref(backend))
+
+    def backends(self) -> list[Any]:
+        """The live backends, oldest first."""
+        with self._lock:
+            return [b for b in (ref() for ref in self._backends) if b is not None]
+
+
+_process = WorkerProcess()
+
+
+def current() -> WorkerProcess:
+    return _process
+
+
+def reset_for_tests(close_links: bool = True) -> WorkerProcess:
+    """Start afresh, as a new worker process would: no backends, no session, options unread.
+    The old links are closed (their server threads end) unless the caller keeps them."""
+    global _process
+    for link in _process.links.values() if close_links else ():
+        close = getattr(link, "close", None)
+        if close is not None:
+            close()
+    _process = WorkerProcess()
+    return _process

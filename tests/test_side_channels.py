@@ -1,0 +1,74 @@
+"""Serving never depends on stderr: a closed, full or missing stderr leaves capture and the
+demo's serving untouched (the progress bar and the log handlers count their failures)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("stderr", ["2>&-", "2>/dev/full"])
+def test_the_demo_captures_and_serves_with_stderr_closed_or_full(tmp_path, stderr):
+    # Before: with stderr closed the progress bar raised AttributeError ('NoneType' object has
+    # no attribute 'write') out of the capture; on /dev/full the demo exited 1 and said nothing.
+    command = f"{sys.executable} -m fd_cudagraph_plugin demo --steps 3 {stderr}"
+    env = {**os.environ, "FD_LOG_DIR": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", "-c", command],
+        capture_output=False,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0
+    assert "replay vs eager: 0 mismatches in 3 steps -- OK" in done.stdout
+
+
+def test_a_capture_session_with_no_stderr_at_all_captures(sim, monkeypatch):
+    from conftest import Buffers, TinyBackbone, make_config
+
+    from fd_cudagraph_plugin.core import process
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    monkeypatch.setattr(sys, "stderr", None)  # what Python sets when fd 2 is closed
+    model = TinyBackbone()
+    config = make_config(4, cudagraph_capture_sizes=[4, 2, 1])
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with CaptureSession("decode"):
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    backend.check_capture_successful()
+    assert process.current().outputs.counts["progress bar"] == 0  # no bar: nothing failed
+
+
+def test_a_progress_bar_that_cannot_write_is_counted_once_and_capture_goes_on(sim, monkeypatch):
+    from conftest import Buffers, TinyBackbone, make_config
+
+    from fd_cudagraph_plugin.core import process
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys, "stderr", Full())
+    model = TinyBackbone()
+    config = make_config(4, cudagraph_capture_sizes=[4, 2, 1])
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    with CaptureSession("decode"):
+        for size in (4, 2, 1):
+            backend(**buffers.step(size))
+    backend.check_capture_successful()
+    assert process.current().outputs.counts["progress bar"] == 1
