@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fd_cudagraph_plugin.core.agreement import Outcome, SocketLink  # noqa: E402
+from fd_cudagraph_plugin.core.channel import Outcome, SocketLink  # noqa: E402
 
 POINTS = 110
 #: A group id of the plugin's own, apart from FastDeploy's TP and EP groups
@@ -203,11 +203,12 @@ class Rank:
     def socket_link(self, name: str, timeout: float = 60.0) -> SocketLink:
         from paddle.base import core
 
-        from fd_cudagraph_plugin.core.agreement import bind_host
+        from fd_cudagraph_plugin.core.channel import listen_host
 
         store = core.create_or_get_global_tcp_store()
+        host = listen_host(list(range(self.world)))
         return SocketLink.connect(
-            store, f"fd-cudagraph/channel/{name}", self.index, self.world, bind_host(), timeout
+            store, f"fd-cudagraph/channel/{name}", self.index, self.world, host, timeout
         )
 
     def gloo_group(self, ranks: list[int]) -> Any:
