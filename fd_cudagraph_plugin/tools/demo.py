@@ -15,10 +15,21 @@ from types import SimpleNamespace
 from typing import Any
 
 from fd_cudagraph_plugin.core import fastdeploy
+from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.core.stats import format_table
+from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP
+from fd_cudagraph_plugin.tools.wording import plural, shown
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32)
+#: The largest size the demo captures: FastDeploy's largest decode graph, the bound ``plan`` and
+#: ``tune`` apply too. The demo allocates buffers and a padding table by the largest size.
+DEMO_MAX_SIZE = DECODE_CAP
+DEMO_SIZE_BOUND = "the largest decode graph FastDeploy captures (min(512, max_num_seqs))"
+#: Most steps one demo serves: minutes on a CPU. Each step's work is bounded by the largest size.
+DEMO_MAX_STEPS = 1_000_000
+#: Seeds as numpy and Paddle take them (uint32).
+DEMO_MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -152,18 +163,47 @@ def _meta_class():
     return getattr(module, "ForwardMeta", DemoMeta)
 
 
+def check_demo_inputs(sizes: list[int] | None, steps: int, seed: int) -> list[int] | None:
+    """The demo's inputs, or a ``ConfigError`` naming the option, the value and the bound: its
+    work and memory grow with the largest size and the step count."""
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if sizes is not None:
+        bad = [size for size in sizes if not count(size) or not 1 <= size <= DEMO_MAX_SIZE]
+        if not sizes or bad:
+            raise ConfigError(
+                f"--sizes must be integers in 1..{DEMO_MAX_SIZE}, {DEMO_SIZE_BOUND}; got "
+                f"{shown(bad[0]) if bad else 'none'}."
+            )
+    if not count(steps) or not 1 <= steps <= DEMO_MAX_STEPS:
+        raise ConfigError(f"--steps must be an integer in 1..{DEMO_MAX_STEPS}; got {shown(steps)}.")
+    if not count(seed) or not 0 <= seed <= DEMO_MAX_SEED:
+        raise ConfigError(f"--seed must be an integer in 0..{DEMO_MAX_SEED}; got {shown(seed)}.")
+    return sizes
+
+
 def run_demo(
     sizes: list[int] | None = None, steps: int = 200, seed: int = 0, runtime_name: str | None = None
 ) -> DemoReport:
+    """Capture and serve; ``runtime_name`` None: cuda where Paddle has CUDA, else simulated.
+    Raises ``ConfigError`` for inputs it cannot honour."""
+    import paddle
+
+    sizes = sorted(set(check_demo_inputs(sizes, steps, seed) or DEFAULT_SIZES), reverse=True)
+    if runtime_name is None:
+        runtime_name = "cuda" if paddle.is_compiled_with_cuda() else "simulated"
+    return _serve(sizes, steps, seed, runtime_name)
+
+
+def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str) -> DemoReport:
     import paddle
 
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
     from fd_cudagraph_plugin.core.capture import CaptureSession
     from fd_cudagraph_plugin.core.runtime import make_runtime
 
-    sizes = sorted(set(sizes or DEFAULT_SIZES), reverse=True)
-    if runtime_name is None:
-        runtime_name = "cuda" if paddle.is_compiled_with_cuda() else "simulated"
     runtime = make_runtime(runtime_name)
     max_size = sizes[0]
     fd_config = build_fd_config(sizes, max_num_seqs=max_size)
@@ -239,10 +279,10 @@ def format_report(report: DemoReport) -> str:
     in_backend = sum(stats["eager_fallbacks"].values())
     reasons = ", ".join(f"{why} {n}" for why, n in sorted(stats["eager_fallbacks"].items()))
     lines.append(
-        f"served {report.steps} decode steps: {replays} replayed a graph, "
+        f"served {plural(report.steps, 'decode step')}: {replays} replayed a graph, "
         f"{report.eager_above_max + in_backend} ran eagerly ({report.eager_above_max} above the "
-        f"largest size, {report.sizes[0]} tokens, which GraphOptBackend runs eagerly before the "
-        f"backend; {in_backend} in the backend{f': {reasons}' if reasons else ''})"
+        f"largest size, {plural(report.sizes[0], 'token')}, which GraphOptBackend runs eagerly "
+        f"before the backend; {in_backend} in the backend{f': {reasons}' if reasons else ''})"
     )
     lines.append(format_table(stats, f"the backend, which saw {replays + in_backend} of them"))
     if report.real_graphs:
@@ -254,6 +294,7 @@ def format_report(report: DemoReport) -> str:
         lines.append("step time: not measured (simulated runtime)")
     verdict = "OK" if report.mismatches == 0 else "MISMATCH"
     lines.append(
-        f"replay vs eager: {report.mismatches} mismatches in {report.steps} steps -- {verdict}"
+        f"replay vs eager: {plural(report.mismatches, 'mismatch', 'mismatches')} in "
+        f"{plural(report.steps, 'step')} -- {verdict}"
     )
     return "\n".join(lines)

@@ -30,6 +30,7 @@ from fd_cudagraph_plugin.tools.capture_rules import (
     Release,
     ServingSettings,
 )
+from fd_cudagraph_plugin.tools.wording import shown
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def release_rules(name: str | None, installed: InstalledFastDeploy | None = None
         name = found.release if found is not None and found.release else DEFAULT_RELEASE
     if name not in RULES:
         raise ConfigError(
-            f"--fastdeploy-version must be one of {', '.join(RELEASES)}; got {name!r}."
+            f"--fastdeploy-version must be one of {', '.join(RELEASES)}; got {shown(name)}."
         )
     return RULES[name]
 

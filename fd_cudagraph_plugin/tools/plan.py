@@ -47,6 +47,7 @@ from fd_cudagraph_plugin.tools.installed import (
     installed_fastdeploy,
     release_rules,
 )
+from fd_cudagraph_plugin.tools.wording import plural, shown
 
 #: FastDeploy's default ``max_capture_shape_prefill``.
 DEFAULT_PREFILL_SHAPE = 512
@@ -185,9 +186,9 @@ class Plan:
 
 def check_count(flag: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{flag} must be an integer >= {minimum}; got {value!r}.")
+        raise ConfigError(f"{flag} must be an integer >= {minimum}; got {shown(value)}.")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{flag} must be at most {maximum}; got {value}.")
+        raise ConfigError(f"{flag} must be at most {maximum}; got {shown(value)}.")
     return value
 
 
@@ -197,7 +198,7 @@ def _check_sizes(flag: str, sizes: tuple[int, ...] | None) -> list[int] | None:
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
     if not sizes or bad:
         raise ConfigError(
-            f"{flag} must be a non-empty list of positive integers; got {list(sizes)!r}. "
+            f"{flag} must be a non-empty list of positive integers; got {shown(list(sizes))}. "
             f"Pass e.g. {flag} 1,2,4,8."
         )
     return list(sizes)
@@ -215,7 +216,7 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
         return 0
     if method not in SPEC_METHODS:
         raise ConfigError(
-            f"--spec-method must be one of {', '.join(SPEC_METHODS)}; got {method!r}. "
+            f"--spec-method must be one of {', '.join(SPEC_METHODS)}; got {shown(method)}. "
             "Leave it out when serving without speculative decoding."
         )
     if method not in release.spec_methods:
@@ -236,7 +237,7 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
     if bad_k(k):
         raise ConfigError(
             f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} for "
-            f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {k!r}."
+            f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {shown(k)}."
         )
     return k
 
@@ -263,7 +264,7 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         )
     if inputs.graph_opt_level not in (0, 1, 2):
         raise ConfigError(
-            f"--graph-opt-level must be 0, 1 or 2; got {inputs.graph_opt_level!r}. "
+            f"--graph-opt-level must be 0, 1 or 2; got {shown(inputs.graph_opt_level)}. "
             "0 is dynamic, 1 static (SOT), 2 static with CINN."
         )
     user_decode = _check_sizes("--capture-sizes", inputs.capture_sizes)
@@ -414,11 +415,11 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     _size_notes(notes, release, inputs, mode, s, prefill)
     _list_notes(notes, release, s, derived)
     if not decode:
-        unit = "requests" if scale > 1 else "tokens"
+        noun = "request" if scale > 1 else "token"
         raise ConfigError(
             "no decode capture size is left: FastDeploy would build an empty "
             "cudagraph_capture_sizes and GraphOptBackend fails on its first call. "
-            f"Give --capture-sizes at or below {cap // scale} {unit}"
+            f"Give --capture-sizes at or below {plural(cap // scale, noun)}"
             + (f" divisible by {s.tensor_parallel_size}" if derived.filtered else "")
             + ", or raise --max-num-seqs."
         )
@@ -506,7 +507,8 @@ def _stale_notes(
         sizes = sorted({theirs for _, theirs, _ in stale})
         notes.append(
             f"FastDeploy's real_shape_to_captured_size was built before filter_capture_size and "
-            f"still maps {len(stale)} token counts to removed sizes {_listing(sizes)}; its own "
+            f"still maps {plural(len(stale), 'token count')} to removed "
+            f"{'size' if len(sizes) == 1 else 'sizes'} {_listing(sizes)}; its own "
             "backend would fail there. The plugin pads through the filtered list, as printed."
         )
     stale_running = [
@@ -516,8 +518,9 @@ def _stale_notes(
     ]
     if stale_running:
         notes.append(
-            f"FastDeploy's real_bsz_to_captured_size maps {len(stale_running)} running-request "
-            "counts to sizes that are not captured; the plugin pads them to the next captured "
+            "FastDeploy's real_bsz_to_captured_size maps "
+            f"{plural(len(stale_running), 'running-request count')} to sizes that are not "
+            "captured; the plugin pads them to the next captured "
             "size, or by token count where no graph holds them."
         )
 
@@ -702,7 +705,7 @@ def _describe_backend(
 
 
 def graphs_phrase(count: int) -> str:
-    return f"{count} graph{'' if count == 1 else 's'}"
+    return plural(count, "graph")
 
 
 def _listing(values: list[int]) -> str:
