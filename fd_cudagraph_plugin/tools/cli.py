@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
 from fd_cudagraph_plugin.tools.capture_rules import (
@@ -134,37 +135,55 @@ def _seed(text: str) -> int:
     return int(word)
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (temporary files are removed on the way) and exit 143."""
+
+
 class _Interrupts:
-    """Ctrl-C seen during this command, even where a library swallowed the KeyboardInterrupt.
+    """Ctrl-C or SIGTERM seen during this command, even where a library swallowed the exception.
 
     Paddle's import runs bare ``except:`` clauses (``paddle/base/core.py``): an interrupt there
     is swallowed and can surface later as an ImportError, which must not read as "no Paddle".
+    Paddle's import also installs its own C++ handler for SIGTERM, which prints a C++ traceback
+    to standard output ("FatalError: `Termination signal` is detected by the operating system");
+    ``reinstall()`` after that import puts this quiet one back.
     """
 
+    _RAISES: ClassVar[dict[int, type[BaseException]]] = {
+        signal.SIGINT: KeyboardInterrupt,
+        signal.SIGTERM: _Terminated,
+    }
+
     def __init__(self) -> None:
-        self.seen = False
+        self.seen: int | None = None
 
     def _handler(self, signum: int, frame: object) -> None:
-        self.seen = True
-        raise KeyboardInterrupt
+        self.seen = signum
+        raise self._RAISES[signum]
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        self.seen = False
+        self.seen = None
         try:
-            previous = signal.signal(signal.SIGINT, self._handler)
+            previous = {signum: signal.signal(signum, self._handler) for signum in self._RAISES}
         except ValueError:  # not the main thread: leave signals alone
             yield
             return
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def reinstall(self) -> None:
+        """Take SIGTERM back from a library that replaced the handler below Python (Paddle)."""
+        if signal.getsignal(signal.SIGTERM) == self._handler:
+            signal.signal(signal.SIGTERM, self._handler)
 
     def check(self) -> None:
-        """Raise KeyboardInterrupt if Ctrl-C came, so no output claims what did not happen."""
-        if self.seen:
-            raise KeyboardInterrupt
+        """Raise again what a signal raised, so no output claims what did not happen."""
+        if self.seen is not None:
+            raise self._RAISES[self.seen]
 
 
 _INTERRUPTS = _Interrupts()
@@ -183,6 +202,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
         return 2
     _INTERRUPTS.check()
+    _INTERRUPTS.reinstall()
     from fd_cudagraph_plugin.tools.demo import format_report, run_demo
 
     # The demo prints the capture summary and the stats table itself; keep warnings only.
@@ -413,7 +433,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="capture and serve a small model through the backend",
         description="Capture a small decoder at the given sizes in a capture session, serve "
-        "random decode steps through the plugin's backend and compare every one with eager.",
+        "random decode steps through the plugin's backend and compare every one with eager. The "
+        "demo always runs the plugin's backend (FD_CUDAGRAPH_BACKEND=native is refused), and "
+        "writes nothing unless asked: without FD_LOG_DIR its graph-memory record goes to a "
+        "temporary directory, removed at the end.",
     )
     demo.add_argument(
         "--sizes",
@@ -439,7 +462,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         choices=("cuda", "simulated"),
         default=None,
         help="cuda: real CUDA graphs (paddlepaddle-gpu); simulated: CUDA-graph replay semantics "
-        "on the CPU (default: cuda when Paddle has CUDA, else simulated; said in the output)",
+        "on the CPU (default: FD_CUDAGRAPH_RUNTIME when set, else cuda when Paddle has CUDA, "
+        "else simulated; said in the output)",
     )
     demo.set_defaults(run=_cmd_demo)
 
@@ -533,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fd-cudagraph: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         _drop_stdout()
         return 1
