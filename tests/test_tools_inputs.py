@@ -8,15 +8,23 @@ behaviour was to run (a demo of 3,000,000,000 tokens grew to 23.7 GB before it w
 from __future__ import annotations
 
 import argparse
+import errno
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.tools.cli import build_parser, main
 from fd_cudagraph_plugin.tools.demo import format_report, run_demo
+from fd_cudagraph_plugin.tools.traces import TraceError, read_histogram
 from fd_cudagraph_plugin.tools.tune import format_result, tune
 from fd_cudagraph_plugin.tools.wording import plural, shown
 
+REPO = Path(__file__).resolve().parent.parent
 HUGE = "1" * 5000
 
 UNBOUNDED = [
@@ -173,3 +181,35 @@ def test_check_count_echoes_a_huge_value_shortened():
     with pytest.raises(ConfigError) as error:
         check_count("--max-num-seqs", int("9" * 4000), 1, 512)
     assert "(4000 digits)" in str(error.value) and len(str(error.value)) < 120
+
+
+def test_tune_with_standard_input_closed_exits_2_with_one_line():
+    """``fd-cudagraph tune - <&-`` ended in AttributeError: Python has no sys.stdin then."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-", "--max-graphs", "2"],
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=lambda: os.close(0),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [
+        "fd-cudagraph: standard input is closed, so - has nothing to read; pass a trace file, or "
+        "pipe a trace into fd-cudagraph tune -."
+    ]
+    assert done.stdout == b""
+
+
+def test_tune_reports_a_read_error_on_standard_input_as_such(tmp_path):
+    """An error reading - is the input's, not "cannot write the output" (exit 1)."""
+
+    class Failing(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(TraceError, match=r"^cannot read standard input: Input/output error\.$"):
+        read_histogram(["-"], stdin=io.BufferedReader(Failing()))

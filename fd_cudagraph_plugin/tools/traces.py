@@ -80,7 +80,7 @@ def read_histogram(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -
     histogram = Histogram()
     for path in paths:
         if str(path) == "-":
-            _read(stdin or sys.stdin.buffer, "<stdin>", histogram)
+            _read_stdin(stdin, histogram)
             continue
         try:
             with open(path, "rb") as handle:
@@ -93,6 +93,21 @@ def read_histogram(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -
             "tune one kind at a time (pass only the files of one deployment)."
         )
     return histogram
+
+
+def _read_stdin(stdin: BinaryIO | None, histogram: Histogram) -> None:
+    """``-``: standard input, which may be closed (``<&-``: Python then has no sys.stdin)."""
+    if stdin is None:
+        if sys.stdin is None:
+            raise TraceError(
+                "standard input is closed, so - has nothing to read; pass a trace file, or pipe "
+                "a trace into fd-cudagraph tune -."
+            )
+        stdin = sys.stdin.buffer
+    try:
+        _read(stdin, "<stdin>", histogram)
+    except OSError as error:
+        raise TraceError(f"cannot read standard input: {error.strerror or error}.") from None
 
 
 def _lines(handle: BinaryIO) -> Iterator[bytes]:
