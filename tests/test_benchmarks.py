@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -30,3 +32,21 @@ def test_capture_benchmark_times_a_capture_of_every_size_by_the_plugin():
     assert "no graphs captured" not in done.stderr and "late_capture" not in done.stderr
     assert "every backend captured all 4 sizes in every round" in done.stdout
     assert "ms/size" in done.stdout
+
+
+@pytest.mark.parametrize("parts", [["bogus"], ["setup", "bogus"], ["main pair"]], ids=" ".join)
+def test_gpu_run_sh_refuses_an_unknown_part_with_exit_2_before_running_any(parts, tmp_path):
+    done = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu" / "run.sh"), *parts],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": "false"},
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    unknown = next(part for part in parts if part != "setup")
+    assert done.stderr.splitlines() == [
+        f"unknown part '{unknown}' (parts: setup main pair ctime dispatch fail budget)"
+    ]
+    assert not (tmp_path / "out").exists()

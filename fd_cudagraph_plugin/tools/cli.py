@@ -468,10 +468,21 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.set_defaults(run=_cmd_demo)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that --help and --version fail when standard output cannot be
+    written: argparse swallows the OSError of that write (``_print_message``) and exits 0."""
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        if message and file is not None and file is sys.stdout:
+            sys.stdout.write(message)  # an OSError reaches main(): exit 1
+            return
+        super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fd_cudagraph_plugin import __version__
 
-    parser = argparse.ArgumentParser(prog="fd-cudagraph", description=DESCRIPTION)
+    parser = _Parser(prog="fd-cudagraph", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fd-cudagraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
@@ -541,9 +552,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _INTERRUPTS.watching():
             parser = build_parser()
-            args = parser.parse_args(
-                _attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv))
-            )
+            try:
+                args = parser.parse_args(
+                    _attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv))
+                )
+            except SystemExit as exit_info:
+                if exit_info.code in (0, None):
+                    # --help and --version print, then exit 0; their output must be written too,
+                    # here where a full disk or a closed pipe gets exit 1, not at interpreter exit.
+                    sys.stdout.flush()
+                raise
             try:
                 code = args.run(args)
             except CudaGraphPluginError as error:
