@@ -213,3 +213,22 @@ def test_tune_reports_a_read_error_on_standard_input_as_such(tmp_path):
 
     with pytest.raises(TraceError, match=r"^cannot read standard input: Input/output error\.$"):
         read_histogram(["-"], stdin=io.BufferedReader(Failing()))
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "suffix", "naive"])
+@pytest.mark.parametrize("flag", ["--draft-model-use-cudagraph", "--no-draft-model-use-cudagraph"])
+def test_plan_refuses_draft_model_use_cudagraph_without_an_mtp_draft_model(method, flag, capsys):
+    """Only an MTP draft model reads draft_model_use_cudagraph, in every release."""
+    spec = ["--spec-method", method] if method else []
+    assert main(["plan", *spec, flag]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fd-cudagraph: {flag} sets draft_model_use_cudagraph")
+    given = f"--spec-method {method}" if method else "no --spec-method"
+    assert f"with {given} FastDeploy builds no draft model and ignores it" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", ["--draft-model-use-cudagraph", "--no-draft-model-use-cudagraph"])
+def test_plan_takes_draft_model_use_cudagraph_with_mtp(flag, capsys):
+    assert main(["plan", "--spec-method", "mtp", flag]) == 0
+    assert "total graphs:" in capsys.readouterr().out

@@ -51,6 +51,10 @@ MAX_TENSOR_PARALLEL_SIZE = 512
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 #: ``--spec-method`` values; FastDeploy 2.4 and 2.5 call ngram ``ngram_match``.
 SPEC_METHODS = ("mtp", "ngram", "suffix", "naive")
+#: Methods with a draft model of their own, the only readers of ``draft_model_use_cudagraph``: in
+#: every release (2.4_r3 through r3_mm_dev) only ``spec_decode/mtp.py`` and the runner's MTP
+#: branches read it; ngram and suffix draft without a model.
+DRAFT_MODEL_METHODS = ("mtp",)
 #: ``cudagraph_capture_sizes_prefill`` when the decode sizes are given by the user (2.5+).
 DEFAULT_PREFILL_SIZES = (1, 2, 4, 8)
 #: The releases this copy knows, oldest first; develop is the newest.

@@ -30,6 +30,7 @@ from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
 from fd_cudagraph_plugin.tools import capture_rules
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
+    DRAFT_MODEL_METHODS,
     MAX_PREFILL_SHAPE,
     MAX_SPECULATIVE_TOKENS,
     MAX_TENSOR_PARALLEL_SIZE,
@@ -270,6 +271,15 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
     user_decode = _check_sizes("--capture-sizes", inputs.capture_sizes)
     user_prefill = _check_sizes("--capture-sizes-prefill", inputs.capture_sizes_prefill)
     k = _effective_k(release, inputs)
+    draft = inputs.draft_model_use_cudagraph
+    if draft is not None and inputs.spec_method not in DRAFT_MODEL_METHODS:
+        flag = f"--{'' if draft else 'no-'}draft-model-use-cudagraph"
+        given = f"--spec-method {inputs.spec_method}" if inputs.spec_method else "no --spec-method"
+        raise ConfigError(
+            f"{flag} sets draft_model_use_cudagraph, which only an MTP draft model reads; with "
+            f"{given} FastDeploy builds no draft model and ignores it. Leave it out, or pass "
+            "--spec-method mtp."
+        )
     odd = capture_rules.check_even_token_cap(release, inputs.spec_method, k, max_num_seqs)
     if odd:
         raise ConfigError(odd)
