@@ -20,6 +20,7 @@ from fd_cudagraph_plugin.tools.capture_rules import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TENSOR_PARALLEL_SIZE,
     RELEASES,
+    RULES,
     SPEC_METHODS,
     SPLITWISE_ROLES,
 )
@@ -371,8 +372,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--draft-model-use-cudagraph",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="draft_model_use_cudagraph for MTP (default: the release's, false on 2.4 .. 2.6 and "
-        "true on develop)",
+        help="draft_model_use_cudagraph for MTP (default: the release's, true on develop "
+        "(r3_mm_dev) and false on the others)",
     )
     _add_release(plan)
     plan.add_argument("--json", action="store_true", help="print JSON")
@@ -423,8 +424,10 @@ def _add_release(parser: argparse.ArgumentParser) -> None:
         "--fastdeploy-version",
         choices=RELEASES,
         default=None,
-        help="apply this FastDeploy release's rules (default: the installed FastDeploy's, else "
-        "develop); the installed FastDeploy computes them when it is that release",
+        help="apply the rules of this FastDeploy tree, read from the branch named: "
+        + ", ".join(f"{name} ({rules.branch} at {rules.commit})" for name, rules in RULES.items())
+        + " (default: the installed FastDeploy's, else develop); the installed FastDeploy "
+        "computes them when it is that tree",
     )
 
 

@@ -71,7 +71,7 @@ class PlanInput:
     capture_sizes: tuple[int, ...] | None = None
     capture_sizes_prefill: tuple[int, ...] | None = None
     splitwise_role: str = "mixed"
-    #: None: the release's default (false on 2.4 .. 2.6, true on develop).
+    #: None: the release's default (true on develop, r3_mm_dev; false on the others).
     draft_model_use_cudagraph: bool | None = None
     #: None: the installed FastDeploy's release, else develop.
     fastdeploy_version: str | None = None
@@ -140,6 +140,8 @@ class Plan:
 
         return {
             "fastdeploy_version": self.release,
+            "rules_branch": capture_rules.RULES[self.release].branch,
+            "rules_commit": capture_rules.RULES[self.release].commit,
             "rules": "fastdeploy" if self.from_fastdeploy else "copy",
             "settings": {
                 "max_num_seqs": self.inputs.max_num_seqs,
@@ -323,7 +325,7 @@ def _decode_cap(release: Release, s: ServingSettings) -> tuple[int, int, str]:
     if s.only_prefill:  # 2.4 and 2.5 set 512 after scaling
         return DECODE_CAP, 1, "512 (cudagraph_only_prefill)"
     cap = s.max_num_seqs * (s.k + 1) if scaling else s.max_num_seqs
-    if release.name == "2.4":
+    if release.caps_speculative_at_512:
         formula = "min(512, max_num_seqs" + (" x (k + 1))" if scaling else ")")
         return min(DECODE_CAP, cap), 1, formula
     return cap, 1, "max_num_seqs" + (" x (k + 1)" if scaling else "")
@@ -591,16 +593,23 @@ def _size_notes(
 def _list_notes(notes: list[str], release: Release, s: ServingSettings, derived: Derived) -> None:
     """The release's speculative scaling, the splitwise role and sequence-parallel MoE."""
     if s.method in ("mtp", "ngram", "suffix"):
-        if release.name == "2.4" and s.method == "mtp":
+        if release.generation == "2.4" and s.method == "mtp":
             notes.append(
                 "FastDeploy 2.4 multiplies only the decode cap by k + 1 for mtp, not the sizes, "
                 "and builds no real_bsz_to_captured_size: graphs are keyed by token count."
             )
-        elif release.name == "2.5":
+        elif release.generation == "2.5":
+            within = "within 512" if release.caps_speculative_at_512 else "without 512"
+            keyed = (
+                ""
+                if release.has_bsz_map
+                else "; it builds no real_bsz_to_captured_size: graphs are keyed by token count"
+            )
             notes.append(
-                "FastDeploy 2.5 multiplies the automatic sizes by k + 1 for every method, and "
-                "the decode cap (without 512) only for mtp and suffix; user-given "
-                "cudagraph_capture_sizes are tokens, as given."
+                f"FastDeploy {release.name} multiplies the automatic sizes by k + 1 for every "
+                f"method, and the decode cap ({within}) only for "
+                f"{' and '.join(release.scaling_methods)}; user-given cudagraph_capture_sizes are "
+                f"tokens, as given{keyed}."
             )
         elif s.method not in release.scaling_methods:
             notes.append(
@@ -751,6 +760,12 @@ def format_plan(plan: Plan) -> str:
     sp_moe = "on" if inputs.sequence_parallel_moe else "off"
     lines = [
         f"rules: {plan.rules}",
+        (
+            "the project's copy of these rules, compared with them: read from "
+            if plan.from_fastdeploy
+            else "rules read from: "
+        )
+        + capture_rules.RULES[plan.release].source,
         f"settings: max_num_seqs={inputs.max_num_seqs}, speculative={spec}, "
         f"tensor_parallel_size={inputs.tensor_parallel_size}, sequence-parallel MoE={sp_moe}, "
         f"graph_opt_level={inputs.graph_opt_level}, full_cuda_graph="

@@ -205,10 +205,10 @@ def _speculative_tokens(
     k = (recorded or 0) if requested is None else _requested_k(requested, recorded, kinds)
     if k and not release.has_bsz_map:
         raise ConfigError(
-            "FastDeploy 2.4 builds no real_bsz_to_captured_size: its speculative graphs are keyed "
-            "by token count, so sizes fitted in running requests do not apply. Tune a trace of "
-            "decode token counts (without --num-speculative-tokens), or pick another "
-            "--fastdeploy-version."
+            f"FastDeploy {release.name} builds no real_bsz_to_captured_size: its speculative "
+            "graphs are keyed by token count, so sizes fitted in running requests do not apply. "
+            "Tune a trace of decode token counts (without --num-speculative-tokens), or pick "
+            "another --fastdeploy-version."
         )
     return k
 
