@@ -182,3 +182,29 @@ def test_demo_without_paddle_says_what_to_install_and_no_name_from_an_index(erro
     assert "pip install paddlepaddle==3.3.1" in done.stderr
     assert "pip install 'fd-cudagraph-plugin" not in done.stderr
     assert "'/path/to/fd-cudagraph-plugin[demo]'" in done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["plan", "--help"]], ids=" ".join)
+def test_help_and_version_exit_1_when_stdout_is_full(argv):
+    """argparse swallowed the write error of --help and --version and exited 0."""
+    with open("/dev/full", "w") as full:
+        done = _run(*argv, stdout=full)
+    assert done.returncode == 1
+    assert done.stderr.decode().splitlines() == [
+        "fd-cudagraph: cannot write the output: No space left on device"
+    ]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["tune", "--help"]], ids=" ".join)
+def test_help_and_version_exit_1_when_the_reader_is_gone(argv):
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    reader.stdout.close()  # the reader went away before the help was written
+    _, err = reader.communicate(timeout=60)
+    assert reader.returncode == 1
+    assert b"Traceback" not in err

@@ -231,7 +231,7 @@ def test_cli_tune_text_prints_the_flag_to_use(tmp_path, capsys):
     trace.write_text("3\n3\n5\n200\n")
     assert main(["tune", str(trace), "--max-graphs", "2", "--max-size", "64"]) == 0
     out = capsys.readouterr().out
-    assert "left out (FastDeploy runs them eagerly): 1 steps above 64 tokens" in out
+    assert "left out (FastDeploy runs them eagerly): 1 step above 64 tokens" in out
     assert """--graph-optimization-config '{"cudagraph_capture_sizes": [64, 5]}'""" in out
 
 

@@ -9,6 +9,14 @@ ROOT=$(cd "${FD_HARNESS_REPO:-$HERE/../..}" && pwd)  # the plugin source: the pr
 O=${OUT:-/tmp/fdcg_out}
 PY=${PYTHON:-python3}
 if [ $# -eq 0 ]; then sed -n '2,5p' "$0"; exit 2; fi
+PARTS="setup main pair ctime dispatch fail budget"
+# Every part is checked before any runs (or the output is truncated): a typo at the end of a
+# long list must not cost the runs before it, nor end in exit 0 with nothing run.
+for part in "$@"; do
+  known=0
+  for p in $PARTS; do [ "$part" = "$p" ] && known=1; done
+  [ "$known" = 1 ] || { echo "unknown part '$part' (parts: $PARTS)" >&2; exit 2; }
+done
 if [ ! -f "$ROOT/fd_cudagraph_plugin/__init__.py" ]; then
   echo "no fd_cudagraph_plugin/ in $ROOT: run from a checkout (or set FD_HARNESS_REPO)"; exit 2
 fi
@@ -84,9 +92,6 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
     ;;
   budget)
     run bench_budget.py budget
-    ;;
-  *)
-    echo "unknown part '$part' (parts: setup main pair ctime dispatch fail budget)"
     ;;
   esac
   echo "== $part: $((SECONDS - t0)) s"

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fd_cudagraph_plugin.core import budget, process
-from fd_cudagraph_plugin.core.text import human_bytes
+from fd_cudagraph_plugin.core.text import human_bytes, plural
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class CaptureReport:
         backends = len({r.backend for r in self.records})
         size_text = f"size {sizes[0]}" if len(sizes) == 1 else f"sizes {sizes[0]}..{sizes[-1]}"
         text = (
-            f"captured {_count(self.graphs, 'graph')} ({size_text}"
+            f"captured {plural(self.graphs, 'graph')} ({size_text}"
             f"{f', {backends} backends' if backends > 1 else ''}) in {seconds}, "
             f"graph memory {human_bytes(self.graph_bytes)} "
             f"(largest graph {human_bytes(self.largest_graph_bytes)}), {self._warmup_text()}"
@@ -81,9 +81,9 @@ class CaptureReport:
     def _warmup_text(self) -> str:
         per_graph = sorted({r.warmups for r in self.records})
         if self.warmup_note:
-            return f"{_count(self.warmups, 'warm-up')}: {self.warmup_note}"
+            return f"{plural(self.warmups, 'warm-up')}: {self.warmup_note}"
         if len(per_graph) == 1:
-            return f"{_count(per_graph[0], 'warm-up')} each"
+            return f"{plural(per_graph[0], 'warm-up')} each"
         return f"{per_graph[0]}-{per_graph[-1]} warm-ups each"
 
     def memory_at_failure(self, participant: Any, phase: str) -> dict[str, Any]:
@@ -131,10 +131,6 @@ def _kv_reserve() -> str:
     if owner.reserve is not None:
         return owner.reserve.describe()
     return "off" if owner.options.kv_reserve == "off" else "set (nothing reserved)"
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _seconds(value: float) -> str:

@@ -10,13 +10,6 @@ def human_bytes(count: int) -> str:
     return f"{count} B"
 
 
-def plural(count: int, noun: str) -> str:
-    """``1 graph``, ``2 graphs``."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def shorten(text: str, limit: int = 80) -> str:
-    """A value echoed in an error: at most ``limit`` characters, saying how long it was."""
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit - 20]}... ({len(text)} characters)"
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """``1 graph``, ``2 graphs``; ``many`` for nouns that do not just take an s."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"

@@ -3,25 +3,30 @@
 ``plan`` and ``tune`` compute capture lists with the installed FastDeploy's own
 ``GraphOptimizationConfig`` / ``FDConfig`` when FastDeploy is importable (``plan.py``); this copy is
 what they use without FastDeploy, or for another release than the installed one. It was written
-from ``fastdeploy/config.py`` of the ``gongshaotian/FastDeploy`` branches ``2.4_r3`` (2.4),
-``r3_ban_cpucache_2.5`` (2.5), ``r3_eos_2.6`` (2.6) and ``r3_mm_dev`` (develop), and
-``tests/test_plan.py`` holds it against the test stand-in's ``FDConfig`` for every release.
+from ``fastdeploy/config.py`` of the ``gongshaotian/FastDeploy`` branches and commits named in
+``RULES`` (each ``Release`` says its branch, commit and date, and ``plan`` prints them), and
+``tests/test_plan.py`` holds it against the test stand-in's ``FDConfig`` for 2.4, 2.5, 2.6 and
+develop; ``tests/test_releases.py`` pins what the other trees do differently.
 
 What differs per release, in ``FDConfig.__init__``, ``init_with_cudagrpah_size`` and
 ``postprocess``:
 
 - 2.4: no prefill capture list and no ``real_bsz_to_captured_size``. MTP multiplies only the decode
-  cap by k + 1 (the automatic candidates stay as they are); other methods change nothing.
-- 2.5: MTP and suffix multiply the decode cap by k + 1, without the 512 cap; every speculative
-  method multiplies the automatic candidates (decode and prefill) by k + 1; user-given sizes are
-  tokens, as given. ``real_bsz_to_captured_size`` (MTP, suffix) is built from the untrimmed list.
-- 2.6 and develop: the speculative methods that scale (2.6: MTP, suffix; develop: also ngram)
-  multiply the cap and every decode size by k + 1, user-given sizes included (they count
-  requests); ``real_bsz_to_captured_size`` is built from the trimmed list.
+  cap by k + 1 (the automatic candidates stay as they are), within 512; other methods change
+  nothing.
+- 2.5 (r3_ban_cpucache_2.5): MTP and suffix multiply the decode cap by k + 1, without the 512 cap;
+  every speculative method multiplies the automatic candidates (decode and prefill) by k + 1;
+  user-given sizes are tokens, as given. ``real_bsz_to_captured_size`` (MTP, suffix) is built
+  from the untrimmed list.
+- 2.5-cherry-pick (r3_cherry_pick_2.5): as 2.5, but only MTP multiplies the cap, within 512, no
+  suffix method, and no ``real_bsz_to_captured_size``.
+- 2.6, develop-e53f518 and develop (r3_mm_dev): the speculative methods that scale (MTP, suffix;
+  r3_mm_dev also ngram) multiply the cap and every decode size by k + 1, user-given sizes
+  included (they count requests); ``real_bsz_to_captured_size`` is built from the trimmed list.
 - Sequence-parallel MoE: 2.4 runs ``filter_capture_size(tp)`` before the mixed and decode roles
   turn it off, so every role filters; from 2.5 the mixed role turns it off first, so only the
   prefill and decode roles filter. The padding maps are built before the filter either way.
-- ``FDConfig.check`` caps ``max_num_seqs`` at 256 (2.4, 2.5) or 512 (2.6, develop).
+- ``FDConfig.check`` caps ``max_num_seqs`` at 256 (2.4, 2.5) or 512 (2.6 and later).
 """
 
 from __future__ import annotations
@@ -51,18 +56,24 @@ MAX_TENSOR_PARALLEL_SIZE = 512
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 #: ``--spec-method`` values; FastDeploy 2.4 and 2.5 call ngram ``ngram_match``.
 SPEC_METHODS = ("mtp", "ngram", "suffix", "naive")
+#: Methods with a draft model of their own, the only readers of ``draft_model_use_cudagraph``: in
+#: every release (2.4_r3 through r3_mm_dev) only ``spec_decode/mtp.py`` and the runner's MTP
+#: branches read it; ngram and suffix draft without a model.
+DRAFT_MODEL_METHODS = ("mtp",)
 #: ``cudagraph_capture_sizes_prefill`` when the decode sizes are given by the user (2.5+).
 DEFAULT_PREFILL_SIZES = (1, 2, 4, 8)
-#: The releases this copy knows, oldest first; develop is the newest.
-RELEASES = ("2.4", "2.5", "2.6", "develop")
-DEFAULT_RELEASE = "develop"
 
 
 @dataclass(frozen=True)
 class Release:
-    """What a FastDeploy release does with the capture settings."""
+    """What one FastDeploy tree does with the capture settings, and where that was read."""
 
+    #: The ``--fastdeploy-version`` choice.
     name: str
+    #: The ``gongshaotian/FastDeploy`` branch, commit and commit date the rules were read from.
+    branch: str
+    commit: str
+    date: str
     #: ``FDConfig.check`` asserts ``max_num_seqs <=`` this.
     max_num_seqs: int
     #: ``GraphOptimizationConfig.draft_model_use_cudagraph``'s default.
@@ -71,25 +82,33 @@ class Release:
     spec_methods: tuple[str, ...]
     #: Methods whose k scales the decode capture sizes (see the module docstring per release).
     scaling_methods: tuple[str, ...]
+    #: The shape of the derivation: "2.4" (no prefill list, filter before the roles), "2.5"
+    #: (FDConfig scales the cap and the candidates) or "2.6" (init_with_cudagrpah_size scales).
+    generation: str
+    #: ``FDConfig`` builds ``real_bsz_to_captured_size`` for the scaling methods.
+    has_bsz_map: bool = True
+    #: The decode cap is ``min(512, ...)`` under speculative decoding too (2.4, r3_cherry_pick_2.5;
+    #: r3_ban_cpucache_2.5 applies 512 only without a SpeculativeConfig, which is never).
+    caps_speculative_at_512: bool = False
+
+    @property
+    def source(self) -> str:
+        return f"gongshaotian/FastDeploy branch {self.branch} at {self.commit} ({self.date})"
 
     @property
     def has_prefill_list(self) -> bool:
         """``cudagraph_capture_sizes_prefill`` and static split mode exist (2.5+)."""
-        return self.name != "2.4"
-
-    @property
-    def has_bsz_map(self) -> bool:
-        return self.name != "2.4"
+        return self.generation != "2.4"
 
     @property
     def scales_user_sizes(self) -> bool:
         """User-given decode sizes count requests and are multiplied by k + 1 (2.6+)."""
-        return self.name in ("2.6", "develop")
+        return self.generation == "2.6"
 
     @property
     def filters_before_roles(self) -> bool:
         """``filter_capture_size`` runs before the mixed role turns sequence-parallel MoE off."""
-        return self.name == "2.4"
+        return self.generation == "2.4"
 
     @property
     def decode_cap(self) -> int:
@@ -97,12 +116,32 @@ class Release:
         return min(DECODE_CAP, self.max_num_seqs)
 
 
+#: The trees this copy knows, oldest first. Two 2.5 branches differ: r3_cherry_pick_2.5 has no
+#: suffix method, scales only MTP's cap, caps it at 512 and builds no real_bsz_to_captured_size
+#: (its graphs are keyed by token count); "2.5" is r3_ban_cpucache_2.5, which does all of these.
+#: The develop branch at e53f518 derives its lists as r3_eos_2.6 does (draft_model_use_cudagraph
+#: false, only MTP and suffix scale); "develop" is r3_mm_dev, where ngram scales too and the
+#: draft model is graphed by default.
 RULES = {
-    "2.4": Release("2.4", 256, False, ("mtp", "ngram"), ("mtp",)),
-    "2.5": Release("2.5", 256, False, ("mtp", "ngram", "suffix"), ("mtp", "suffix")),
-    "2.6": Release("2.6", 512, False, SPEC_METHODS, ("mtp", "suffix")),
-    "develop": Release("develop", 512, True, SPEC_METHODS, ("mtp", "suffix", "ngram")),
-}
+    release.name: release
+    for release in (
+        Release("2.4", "2.4_r3", "f874516", "2025-12-05", 256, False, ("mtp", "ngram"),
+                ("mtp",), "2.4", has_bsz_map=False, caps_speculative_at_512=True),
+        Release("2.5-cherry-pick", "r3_cherry_pick_2.5", "8d7f3d4", "2026-03-19", 256, False,
+                ("mtp", "ngram"), ("mtp",), "2.5", has_bsz_map=False,
+                caps_speculative_at_512=True),
+        Release("2.5", "r3_ban_cpucache_2.5", "fd6f890", "2026-04-09", 256, False,
+                ("mtp", "ngram", "suffix"), ("mtp", "suffix"), "2.5"),
+        Release("2.6", "r3_eos_2.6", "41677b9", "2026-06-02", 512, False, SPEC_METHODS,
+                ("mtp", "suffix"), "2.6"),
+        Release("develop-e53f518", "develop", "e53f518", "2026-04-15", 512, False, SPEC_METHODS,
+                ("mtp", "suffix"), "2.6"),
+        Release("develop", "r3_mm_dev", "564c78d", "2026-05-20", 512, True, SPEC_METHODS,
+                ("mtp", "suffix", "ngram"), "2.6"),
+    )
+}  # fmt: skip
+RELEASES = tuple(RULES)
+DEFAULT_RELEASE = "develop"
 
 
 @dataclass(frozen=True)
@@ -268,10 +307,11 @@ def _capture_lists(
     cap = s.max_num_seqs * (k + 1) if scaling else s.max_num_seqs
     if s.only_prefill:
         cap = DECODE_CAP
-    elif release.name == "2.4":
+    elif release.caps_speculative_at_512:
         cap = min(DECODE_CAP, cap)
-    # 2.5 caps at 512 only without a SpeculativeConfig, and FastDeploy always builds one.
-    if release.name == "2.4":
+    # r3_ban_cpucache_2.5 caps at 512 only without a SpeculativeConfig, and FastDeploy always
+    # builds one.
+    if release.generation == "2.4":
         decode = [*auto_candidates(), cap] if user_decode is None else list(user_decode)
         return sorted({d for d in decode if d <= cap}, reverse=True), None, {}
     per_step = k + 1 if s.method is not None else 1  # dec_token_per_query_per_step
@@ -281,7 +321,7 @@ def _capture_lists(
     else:
         decode = list(user_decode)
         prefill = list(DEFAULT_PREFILL_SIZES if user_prefill is None else user_prefill)
-    if scaling:
+    if scaling and release.has_bsz_map:
         bsz = fastdeploy_bsz_map(decode, k)  # from the untrimmed list, in its order
     decode = sorted({d for d in decode if d <= cap}, reverse=True)
     return decode, _trim_prefill(prefill, prefill_cap), bsz

@@ -10,10 +10,29 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
-from fd_cudagraph_plugin.tools.capture_rules import RELEASES, SPEC_METHODS, SPLITWISE_ROLES
+from fd_cudagraph_plugin.tools.capture_rules import (
+    DECODE_CAP,
+    MAX_PREFILL_SHAPE,
+    MAX_SPECULATIVE_TOKENS,
+    MAX_TENSOR_PARALLEL_SIZE,
+    RELEASES,
+    RULES,
+    SPEC_METHODS,
+    SPLITWISE_ROLES,
+)
+from fd_cudagraph_plugin.tools.demo import (
+    DEFAULT_SIZES,
+    DEMO_MAX_SEED,
+    DEMO_MAX_SIZE,
+    DEMO_MAX_STEPS,
+    DEMO_SIZE_BOUND,
+)
+from fd_cudagraph_plugin.tools.traces import TOKEN_LIMIT
+from fd_cudagraph_plugin.tools.wording import shown
 
 DESCRIPTION = (
     "fd-cudagraph (also python -m fd_cudagraph_plugin): plan, tune and check the CUDA-graph "
@@ -21,59 +40,151 @@ DESCRIPTION = (
 )
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
-    return value
+#: A digit string longer than this is above every bound the tools have; it never reaches int()
+#: (which refuses 4301 digits and more with a ValueError).
+_MAX_DIGITS = 30
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_EXAMPLE_SIZES = "such as 1,2,4,8"
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"sizes must be comma-separated integers; got {text!r}"
-        ) from None
-    if not sizes or min(sizes) <= 0:
-        raise argparse.ArgumentTypeError(f"sizes must be positive integers; got {text!r}")
+def _integer(low: int, high: int, note: str = "") -> Callable[[str], int]:
+    """An argparse type for an integer whose range (``low..high``, ``note`` saying more) the
+    command checks itself; a value of more than ``_MAX_DIGITS`` digits is refused here."""
+
+    def integer(text: str) -> int:
+        word = text.strip()
+        if not _INTEGER.fullmatch(word):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in {low}..{high}{note}; got {shown(text)}"
+            )
+        if len(word.lstrip("+-0")) > _MAX_DIGITS:
+            raise argparse.ArgumentTypeError(f"must be at most {high}{note}; got {shown(word)}")
+        return int(word)
+
+    return integer
+
+
+def _count(maximum: int, why: str) -> Callable[[str], int]:
+    """An argparse type for a count in ``1..maximum``; ``why`` says where the bound comes from."""
+
+    def count(text: str) -> int:
+        word = text.strip()
+        integer = _INTEGER.fullmatch(word) is not None
+        if not integer or word.startswith("-") or not word.strip("+0"):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= 1; got {shown(word if integer else text)}"
+            )
+        if len(word.lstrip("+0")) > _MAX_DIGITS or int(word) > maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {maximum} ({why}); got {shown(word.lstrip('+'))}"
+            )
+        return int(word)
+
+    return count
+
+
+def _sizes(maximum: int, why: str) -> Callable[[str], list[int]]:
+    """An argparse type for a comma-separated list of sizes in ``1..maximum``. An empty entry
+    (``1,,2``, ``1,2,``) is an error, not skipped: it is no setting FastDeploy would take."""
+
+    def sizes(text: str) -> list[int]:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(
+                f"sizes must be comma-separated positive integers {_EXAMPLE_SIZES}; got {text!r}"
+            )
+        words = [part.strip() for part in text.split(",")]
+        for index, word in enumerate(words, 1):
+            if not word:
+                raise argparse.ArgumentTypeError(
+                    f"entry {index} of {shown(text)} is empty; give comma-separated positive "
+                    f"integers {_EXAMPLE_SIZES}, with no empty entry"
+                )
+            if not _INTEGER.fullmatch(word):
+                raise argparse.ArgumentTypeError(
+                    f"entry {index}, {shown(word)}, is not an integer; give comma-separated "
+                    f"positive integers {_EXAMPLE_SIZES}; got {shown(text)}"
+                )
+        for word in words:
+            if word.startswith("-") or not word.strip("+0"):
+                raise argparse.ArgumentTypeError(
+                    f"sizes must be positive integers; got {shown(text)}"
+                )
+        for word in words:
+            digits = word.lstrip("+0")
+            if len(digits) > _MAX_DIGITS or int(digits) > maximum:
+                raise argparse.ArgumentTypeError(
+                    f"size {shown(digits)} is above {maximum}, {why}; give sizes in 1..{maximum}"
+                )
+        return [int(word) for word in words]
+
     return sizes
 
 
+#: FastDeploy keeps sequence lengths in int32: no size it takes is larger.
+_PLAN_SIZES = _sizes(
+    TOKEN_LIMIT, "the most tokens a FastDeploy step holds (int32 sequence lengths)"
+)
+
+
+def _seed(text: str) -> int:
+    word = text.strip()
+    integer = _INTEGER.fullmatch(word) is not None
+    if not integer or len(word.lstrip("+-0")) > _MAX_DIGITS or not 0 <= int(word) <= DEMO_MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in 0..{DEMO_MAX_SEED}; got {shown(word if integer else text)}"
+        )
+    return int(word)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (temporary files are removed on the way) and exit 143."""
+
+
 class _Interrupts:
-    """Ctrl-C seen during this command, even where a library swallowed the KeyboardInterrupt.
+    """Ctrl-C or SIGTERM seen during this command, even where a library swallowed the exception.
 
     Paddle's import runs bare ``except:`` clauses (``paddle/base/core.py``): an interrupt there
     is swallowed and can surface later as an ImportError, which must not read as "no Paddle".
+    Paddle's import also installs its own C++ handler for SIGTERM, which prints a C++ traceback
+    to standard output ("FatalError: `Termination signal` is detected by the operating system");
+    ``reinstall()`` after that import puts this quiet one back.
     """
 
+    _RAISES: ClassVar[dict[int, type[BaseException]]] = {
+        signal.SIGINT: KeyboardInterrupt,
+        signal.SIGTERM: _Terminated,
+    }
+
     def __init__(self) -> None:
-        self.seen = False
+        self.seen: int | None = None
 
     def _handler(self, signum: int, frame: object) -> None:
-        self.seen = True
-        raise KeyboardInterrupt
+        self.seen = signum
+        raise self._RAISES[signum]
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        self.seen = False
+        self.seen = None
         try:
-            previous = signal.signal(signal.SIGINT, self._handler)
+            previous = {signum: signal.signal(signum, self._handler) for signum in self._RAISES}
         except ValueError:  # not the main thread: leave signals alone
             yield
             return
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def reinstall(self) -> None:
+        """Take SIGTERM back from a library that replaced the handler below Python (Paddle)."""
+        if signal.getsignal(signal.SIGTERM) == self._handler:
+            signal.signal(signal.SIGTERM, self._handler)
 
     def check(self) -> None:
-        """Raise KeyboardInterrupt if Ctrl-C came, so no output claims what did not happen."""
-        if self.seen:
-            raise KeyboardInterrupt
+        """Raise again what a signal raised, so no output claims what did not happen."""
+        if self.seen is not None:
+            raise self._RAISES[self.seen]
 
 
 _INTERRUPTS = _Interrupts()
@@ -92,6 +203,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
         return 2
     _INTERRUPTS.check()
+    _INTERRUPTS.reinstall()
     from fd_cudagraph_plugin.tools.demo import format_report, run_demo
 
     # The demo prints the capture summary and the stats table itself; keep warnings only.
@@ -174,6 +286,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return exit_code(results)
 
 
+_NUM_SEQS = _integer(1, 512, " (256 on FastDeploy 2.4 and 2.5)")
+_SPECULATIVE_TOKENS = _integer(1, MAX_SPECULATIVE_TOKENS)
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
@@ -183,22 +299,43 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "when it is the release asked for, else by the project's copy of that release's rules.",
     )
     plan.add_argument(
-        "--max-num-seqs", type=int, default=8, help="default 8, FastDeploy's CLI default"
+        "--max-num-seqs",
+        type=_NUM_SEQS,
+        default=8,
+        help="max_num_seqs, at most 256 on 2.4 and 2.5 and 512 later (default 8, FastDeploy's "
+        "CLI default)",
     )
-    plan.add_argument("--spec-method", choices=SPEC_METHODS, default=None)
+    plan.add_argument(
+        "--spec-method",
+        choices=SPEC_METHODS,
+        default=None,
+        help="speculative decoding method (default: none, no speculative decoding)",
+    )
     plan.add_argument(
         "--num-speculative-tokens",
-        type=int,
+        type=_SPECULATIVE_TOKENS,
         default=None,
-        help="draft tokens k (default 1 with --spec-method, FastDeploy's default)",
+        help=f"draft tokens k, 1..{MAX_SPECULATIVE_TOKENS} (default 1 with --spec-method, "
+        "FastDeploy's default)",
     )
-    plan.add_argument("--tensor-parallel-size", type=int, default=1, help="default 1")
+    plan.add_argument(
+        "--tensor-parallel-size",
+        type=_integer(1, MAX_TENSOR_PARALLEL_SIZE),
+        default=1,
+        help=f"tensor_parallel_size, 1..{MAX_TENSOR_PARALLEL_SIZE} (default 1)",
+    )
     plan.add_argument(
         "--sequence-parallel-moe",
         action="store_true",
         help="use_sequence_parallel_moe: keeps decode sizes divisible by TP",
     )
-    plan.add_argument("--graph-opt-level", type=int, choices=(0, 1, 2), default=0)
+    plan.add_argument(
+        "--graph-opt-level",
+        type=_integer(0, 2),
+        choices=(0, 1, 2),
+        default=0,
+        help="graph_opt_level: 0 dynamic, 1 static (SOT), 2 static with CINN (default 0)",
+    )
     plan.add_argument(
         "--full-cuda-graph",
         action=argparse.BooleanOptionalAction,
@@ -206,17 +343,24 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="full_cuda_graph (default true); --no-full-cuda-graph with level >= 1 is static split",
     )
     plan.add_argument(
-        "--max-capture-shape-prefill", type=int, default=None, help="default 512 (2.5 and later)"
+        "--max-capture-shape-prefill",
+        type=_integer(1, MAX_PREFILL_SHAPE),
+        default=None,
+        help=f"max_capture_shape_prefill, 1..{MAX_PREFILL_SHAPE} (default 512; 2.5 and later)",
     )
     plan.add_argument("--only-prefill", action="store_true", help="cudagraph_only_prefill")
     plan.add_argument(
-        "--capture-sizes", type=_sizes, default=None, help="cudagraph_capture_sizes, e.g. 1,2,4,8"
+        "--capture-sizes",
+        type=_PLAN_SIZES,
+        default=None,
+        help="cudagraph_capture_sizes, e.g. 1,2,4,8 (default: FastDeploy's automatic list)",
     )
     plan.add_argument(
         "--capture-sizes-prefill",
-        type=_sizes,
+        type=_PLAN_SIZES,
         default=None,
-        help="cudagraph_capture_sizes_prefill (static split)",
+        help="cudagraph_capture_sizes_prefill, static split (default: FastDeploy's automatic "
+        "list, or 1,2,4,8 with --capture-sizes)",
     )
     plan.add_argument(
         "--splitwise-role",
@@ -228,8 +372,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--draft-model-use-cudagraph",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="draft_model_use_cudagraph for MTP (default: the release's, false on 2.4 .. 2.6 and "
-        "true on develop)",
+        help="draft_model_use_cudagraph for MTP (default: the release's, true on develop "
+        "(r3_mm_dev) and false on the others)",
     )
     _add_release(plan)
     plan.add_argument("--json", action="store_true", help="print JSON")
@@ -249,17 +393,23 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help="one decode token count per line, or the plugin's fd-cudagraph-stats/1 JSON "
         "lines; - reads standard input",
     )
-    tune.add_argument("--max-graphs", type=int, required=True, help="at most this many sizes")
+    tune.add_argument(
+        "--max-graphs",
+        type=_integer(1, DECODE_CAP),
+        required=True,
+        help=f"at most this many sizes, 1..{DECODE_CAP} (required)",
+    )
     tune.add_argument(
         "--num-speculative-tokens",
-        type=int,
+        type=_SPECULATIVE_TOKENS,
         default=None,
         help="k of MTP/ngram/suffix decoding: read a plain trace as running requests per step "
-        "and fit the sizes FastDeploy multiplies by k + 1 (stats files say k themselves)",
+        "and fit the sizes FastDeploy multiplies by k + 1 (default: the k stats files record, "
+        "else none: a plain trace holds token counts)",
     )
     tune.add_argument(
         "--max-size",
-        type=int,
+        type=_integer(1, DECODE_CAP),
         default=None,
         help="largest capture size (default: largest observed count); steps above it run "
         "eagerly and are left out",
@@ -274,32 +424,71 @@ def _add_release(parser: argparse.ArgumentParser) -> None:
         "--fastdeploy-version",
         choices=RELEASES,
         default=None,
-        help="apply this FastDeploy release's rules (default: the installed FastDeploy's, else "
-        "develop); the installed FastDeploy computes them when it is that release",
+        help="apply the rules of this FastDeploy tree, read from the branch named: "
+        + ", ".join(f"{name} ({rules.branch} at {rules.commit})" for name, rules in RULES.items())
+        + " (default: the installed FastDeploy's, else develop); the installed FastDeploy "
+        "computes them when it is that tree",
     )
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="capture and serve a small model through the backend",
+        description="Capture a small decoder at the given sizes in a capture session, serve "
+        "random decode steps through the plugin's backend and compare every one with eager. The "
+        "demo always runs the plugin's backend (FD_CUDAGRAPH_BACKEND=native is refused), and "
+        "writes nothing unless asked: without FD_LOG_DIR its graph-memory record goes to a "
+        "temporary directory, removed at the end.",
+    )
+    demo.add_argument(
+        "--sizes",
+        type=_sizes(DEMO_MAX_SIZE, DEMO_SIZE_BOUND),
+        default=None,
+        help=f"capture sizes, each in 1..{DEMO_MAX_SIZE}, e.g. 1,2,4,8 (default "
+        f"{','.join(map(str, DEFAULT_SIZES))})",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_count(DEMO_MAX_STEPS, "the demo's limit"),
+        default=200,
+        help=f"decode steps to serve, 1..{DEMO_MAX_STEPS} (default 200)",
+    )
+    demo.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help=f"seed of the step sizes and token ids, 0..{DEMO_MAX_SEED} (default 0)",
+    )
+    demo.add_argument(
+        "--runtime",
+        choices=("cuda", "simulated"),
+        default=None,
+        help="cuda: real CUDA graphs (paddlepaddle-gpu); simulated: CUDA-graph replay semantics "
+        "on the CPU (default: FD_CUDAGRAPH_RUNTIME when set, else cuda when Paddle has CUDA, "
+        "else simulated; said in the output)",
+    )
+    demo.set_defaults(run=_cmd_demo)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that --help and --version fail when standard output cannot be
+    written: argparse swallows the OSError of that write (``_print_message``) and exits 0."""
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        if message and file is not None and file is sys.stdout:
+            sys.stdout.write(message)  # an OSError reaches main(): exit 1
+            return
+        super()._print_message(message, file)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from fd_cudagraph_plugin import __version__
 
-    parser = argparse.ArgumentParser(prog="fd-cudagraph", description=DESCRIPTION)
+    parser = _Parser(prog="fd-cudagraph", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fd-cudagraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="capture and serve a small model through the backend")
-    demo.add_argument("--sizes", type=_sizes, default=None, help="capture sizes, e.g. 1,2,4,8")
-    demo.add_argument(
-        "--steps", type=_positive, default=200, help="decode steps to serve (default 200)"
-    )
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument(
-        "--runtime",
-        choices=("cuda", "simulated"),
-        default=None,
-        help="default: cuda when Paddle has CUDA, else simulated (said in the output)",
-    )
-    demo.set_defaults(run=_cmd_demo)
-
+    _add_demo(sub)
     _add_plan(sub)
     _add_tune(sub)
     doctor = sub.add_parser(
@@ -366,9 +555,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _INTERRUPTS.watching():
             parser = build_parser()
-            args = parser.parse_args(
-                _attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv))
-            )
+            try:
+                args = parser.parse_args(
+                    _attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv))
+                )
+            except SystemExit as exit_info:
+                if exit_info.code in (0, None):
+                    # --help and --version print, then exit 0; their output must be written too,
+                    # here where a full disk or a closed pipe gets exit 1, not at interpreter exit.
+                    sys.stdout.flush()
+                raise
             try:
                 code = args.run(args)
             except CudaGraphPluginError as error:
@@ -382,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fd-cudagraph: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         _drop_stdout()
         return 1

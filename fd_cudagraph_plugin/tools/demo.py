@@ -8,17 +8,33 @@ step's output is checked against an eager run of the same inputs.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import tempfile
 import time
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from fd_cudagraph_plugin.core import seam
+from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.options import PluginOptions, unknown_options
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.core.stats import format_table
+from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP
+from fd_cudagraph_plugin.tools.wording import plural, shown
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32)
+#: The largest size the demo captures: FastDeploy's largest decode graph, the bound ``plan`` and
+#: ``tune`` apply too. The demo allocates buffers and a padding table by the largest size.
+DEMO_MAX_SIZE = DECODE_CAP
+DEMO_SIZE_BOUND = "the largest decode graph FastDeploy captures (min(512, max_num_seqs))"
+#: Most steps one demo serves: minutes on a CPU. Each step's work is bounded by the largest size.
+DEMO_MAX_STEPS = 1_000_000
+#: Seeds as numpy and Paddle take them (uint32).
+DEMO_MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -37,6 +53,9 @@ class DemoReport:
     runtime: str
     real_graphs: bool
     sizes: list[int]
+    #: What chose the runtime (``--runtime simulated``, ``FD_CUDAGRAPH_RUNTIME=simulated``), or
+    #: "" when the demo chose it from Paddle's build.
+    runtime_source: str = ""
     steps: int = 0
     mismatches: int = 0
     eager_above_max: int = 0
@@ -152,18 +171,109 @@ def _meta_class():
     return getattr(module, "ForwardMeta", DemoMeta)
 
 
+def check_demo_inputs(sizes: list[int] | None, steps: int, seed: int) -> list[int] | None:
+    """The demo's inputs, or a ``ConfigError`` naming the option, the value and the bound: its
+    work and memory grow with the largest size and the step count."""
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if sizes is not None:
+        bad = [size for size in sizes if not count(size) or not 1 <= size <= DEMO_MAX_SIZE]
+        if not sizes or bad:
+            raise ConfigError(
+                f"--sizes must be integers in 1..{DEMO_MAX_SIZE}, {DEMO_SIZE_BOUND}; got "
+                f"{shown(bad[0]) if bad else 'none'}."
+            )
+    if not count(steps) or not 1 <= steps <= DEMO_MAX_STEPS:
+        raise ConfigError(f"--steps must be an integer in 1..{DEMO_MAX_STEPS}; got {shown(steps)}.")
+    if not count(seed) or not 0 <= seed <= DEMO_MAX_SEED:
+        raise ConfigError(f"--seed must be an integer in 0..{DEMO_MAX_SEED}; got {shown(seed)}.")
+    return sizes
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse what the demo would otherwise ignore: the plugin's options are read as in a worker
+    (a bad or removed one stops it), FD_CUDAGRAPH_BACKEND=native (the demo always runs the
+    plugin's backend) and ``FD_CUDAGRAPH_*`` names that are no option."""
+    chosen = PluginOptions.from_env(environ)
+    if chosen.backend == "native":
+        raise ConfigError(
+            "FD_CUDAGRAPH_BACKEND=native: the demo always runs the plugin's backend (native keeps "
+            "FastDeploy's own, which needs a FastDeploy worker and CUDA). Unset "
+            "FD_CUDAGRAPH_BACKEND to run the demo."
+        )
+    unknown = unknown_options(environ)
+    if unknown:
+        raise ConfigError(
+            f"{'; '.join(unknown)}: no fd-cudagraph-plugin option has "
+            f"{'this name' if len(unknown) == 1 else 'these names'}. Fix or unset "
+            f"{'it' if len(unknown) == 1 else 'them'} (fd-cudagraph doctor lists the options)."
+        )
+
+
+def choose_runtime(flag: str | None, environ: Mapping[str, str], has_cuda: bool) -> tuple[str, str]:
+    """The runtime the demo runs and what chose it: ``--runtime``, else FD_CUDAGRAPH_RUNTIME,
+    else cuda where Paddle has CUDA (source ""). A cuda runtime without CUDA is refused, naming
+    the input that asked for it."""
+    env = (environ.get("FD_CUDAGRAPH_RUNTIME") or "").strip().lower()
+    if flag is not None:
+        name, source = flag, f"--runtime {flag}"
+    elif env:
+        name, source = env, f"FD_CUDAGRAPH_RUNTIME={env}"
+    else:
+        name, source = ("cuda" if has_cuda else "simulated"), ""
+    if name == "cuda" and not has_cuda:
+        fix = "pass --runtime simulated" + ("" if flag else " (or unset FD_CUDAGRAPH_RUNTIME)")
+        raise ConfigError(
+            f"{source}: this Paddle is not compiled with CUDA, so the demo cannot capture CUDA "
+            f"graphs here. Install paddlepaddle-gpu, or {fix} to run the demo on the simulated "
+            "runtime (CUDA-graph replay semantics on the CPU)."
+        )
+    return name, source
+
+
+@contextlib.contextmanager
+def private_log_dir(environ: MutableMapping[str, str]) -> Iterator[None]:
+    """FD_LOG_DIR pointed at a temporary directory, removed at the end, unless the user set it or
+    asked for files under it (FD_CUDAGRAPH_DUMP_DOT=1): a capture session records its graph
+    memory under FD_LOG_DIR (FastDeploy's default ``log``, under the current directory), and the
+    demo writes nothing there unless asked."""
+    asked = (environ.get("FD_CUDAGRAPH_DUMP_DOT") or "").strip() == "1"
+    if "FD_LOG_DIR" in environ or asked:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="fd-cudagraph-demo-") as directory:
+        environ["FD_LOG_DIR"] = directory
+        try:
+            yield
+        finally:
+            environ.pop("FD_LOG_DIR", None)
+
+
 def run_demo(
     sizes: list[int] | None = None, steps: int = 200, seed: int = 0, runtime_name: str | None = None
 ) -> DemoReport:
+    """Capture and serve; ``runtime_name`` None: FD_CUDAGRAPH_RUNTIME, else cuda where Paddle
+    has CUDA, else simulated. Raises ``ConfigError`` for inputs and options it cannot honour."""
+    import paddle
+
+    sizes = sorted(set(check_demo_inputs(sizes, steps, seed) or DEFAULT_SIZES), reverse=True)
+    check_environment(os.environ)
+    runtime_name, source = choose_runtime(
+        runtime_name, os.environ, bool(paddle.is_compiled_with_cuda())
+    )
+    with private_log_dir(os.environ):
+        return _serve(sizes, steps, seed, runtime_name, source)
+
+
+def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: str) -> DemoReport:
     import paddle
 
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
     from fd_cudagraph_plugin.core.runtime import make_runtime
     from fd_cudagraph_plugin.core.session import CaptureSession
 
-    sizes = sorted(set(sizes or DEFAULT_SIZES), reverse=True)
-    if runtime_name is None:
-        runtime_name = "cuda" if paddle.is_compiled_with_cuda() else "simulated"
     runtime = make_runtime(runtime_name)
     max_size = sizes[0]
     fd_config = build_fd_config(sizes, max_num_seqs=max_size)
@@ -176,7 +286,7 @@ def run_demo(
     # Persistent buffer, as FastDeploy's share_inputs: every step writes into it in place and
     # passes a view of its head, so a captured graph keeps reading the right memory.
     ids_buffer = paddle.zeros([max_size * 2], dtype="int64")
-    report = DemoReport(runtime.name, runtime.real_graphs, sizes)
+    report = DemoReport(runtime.name, runtime.real_graphs, sizes, source)
 
     def prepare(tokens: int) -> dict:
         """The runner's input preparation: fill the persistent buffer in place, pass a view."""
@@ -224,8 +334,14 @@ def run_demo(
 
 def format_report(report: DemoReport) -> str:
     lines = []
+    chosen = f" ({report.runtime_source})" if report.runtime_source else ""
     if report.real_graphs:
-        lines.append(f"runtime: {report.runtime} (real CUDA graphs)")
+        lines.append(f"runtime: {report.runtime}{chosen} (real CUDA graphs)")
+    elif report.runtime_source:
+        lines.append(
+            f"runtime: {report.runtime}{chosen} -- graphs run on the simulated runtime (CUDA-graph "
+            "replay semantics on the CPU); step times are not GPU figures"
+        )
     else:
         lines.append(
             f"runtime: {report.runtime} -- this Paddle has no CUDA, so graphs run on the simulated "
@@ -239,10 +355,10 @@ def format_report(report: DemoReport) -> str:
     in_backend = sum(stats["eager_fallbacks"].values())
     reasons = ", ".join(f"{why} {n}" for why, n in sorted(stats["eager_fallbacks"].items()))
     lines.append(
-        f"served {report.steps} decode steps: {replays} replayed a graph, "
+        f"served {plural(report.steps, 'decode step')}: {replays} replayed a graph, "
         f"{report.eager_above_max + in_backend} ran eagerly ({report.eager_above_max} above the "
-        f"largest size, {report.sizes[0]} tokens, which GraphOptBackend runs eagerly before the "
-        f"backend; {in_backend} in the backend{f': {reasons}' if reasons else ''})"
+        f"largest size, {plural(report.sizes[0], 'token')}, which GraphOptBackend runs eagerly "
+        f"before the backend; {in_backend} in the backend{f': {reasons}' if reasons else ''})"
     )
     lines.append(format_table(stats, f"the backend, which saw {replays + in_backend} of them"))
     if report.real_graphs:
@@ -254,6 +370,7 @@ def format_report(report: DemoReport) -> str:
         lines.append("step time: not measured (simulated runtime)")
     verdict = "OK" if report.mismatches == 0 else "MISMATCH"
     lines.append(
-        f"replay vs eager: {report.mismatches} mismatches in {report.steps} steps -- {verdict}"
+        f"replay vs eager: {plural(report.mismatches, 'mismatch', 'mismatches')} in "
+        f"{plural(report.steps, 'step')} -- {verdict}"
     )
     return "\n".join(lines)

@@ -3,9 +3,11 @@
 Where FastDeploy is importable, its ``GraphOptimizationConfig``, ``SchedulerConfig``,
 ``ParallelConfig``, ``SpeculativeConfig`` and ``FDConfig`` compute the capture lists and maps, so
 the tools cannot drift from the FastDeploy that will serve. The release is recognised from its
-config, not its version string (2.4 reports ``2.3.0-dev``, develop ``2.6.0-dev``): 2.4 has no
-prefill capture list, 2.5 no ``flag_cudagraph_capture_sizes_initlized``, and develop turned
-``draft_model_use_cudagraph`` on.
+config (``release_of``): 2.4 has no prefill capture list, 2.5 no
+``flag_cudagraph_capture_sizes_initlized`` (r3_cherry_pick_2.5 has no
+``real_bsz_to_captured_size`` either), and r3_mm_dev turned ``draft_model_use_cudagraph`` on. The
+version string decides only between 2.6 and a develop tree that builds its lists as 2.6 does
+(``2.6.0`` or ``2.6.0-dev``); 2.4_r3 still reports ``2.3.0-dev``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -30,6 +33,7 @@ from fd_cudagraph_plugin.tools.capture_rules import (
     Release,
     ServingSettings,
 )
+from fd_cudagraph_plugin.tools.wording import shown
 
 
 @dataclass(frozen=True)
@@ -76,15 +80,29 @@ def installed_fastdeploy() -> InstalledFastDeploy | None:
     except Exception as error:  # whatever FastDeploy's imports raise on this machine
         return InstalledFastDeploy("unknown", problem=f"{type(error).__name__}: {error}")
     version = str(getattr(package, "__version__", "unknown"))
-    return InstalledFastDeploy(version, config, _release_of(graph))
+    return InstalledFastDeploy(version, config, release_of(graph, version))
 
 
-def _release_of(graph: Any) -> str:
+def release_of(graph: Any, version: str) -> str:
+    """Which of ``capture_rules.RULES`` a FastDeploy tree follows, from a default
+    ``GraphOptimizationConfig`` and its ``__version__``.
+
+    The config tells the derivation apart; the version string only whether a 2.6-shaped tree is
+    the 2.6 release (``2.6.0``) or a develop tree (``2.6.0-dev``: develop at e53f518 builds its
+    lists as 2.6 does). 2.4_r3 still says ``2.3.0-dev``, so the version decides nothing earlier.
+    """
     if not hasattr(graph, "cudagraph_capture_sizes_prefill"):
         return "2.4"
     if not hasattr(graph, "flag_cudagraph_capture_sizes_initlized"):
-        return "2.5"
-    return "develop" if getattr(graph, "draft_model_use_cudagraph", False) else "2.6"
+        # r3_cherry_pick_2.5 builds no real_bsz_to_captured_size; r3_ban_cpucache_2.5 does.
+        return "2.5" if hasattr(graph, "real_bsz_to_captured_size") else "2.5-cherry-pick"
+    if getattr(graph, "draft_model_use_cudagraph", False):
+        return "develop"
+    return "2.6" if _RELEASE_VERSION.fullmatch(version) else "develop-e53f518"
+
+
+#: A release's version string; anything else (``2.6.0-dev``, ``unknown``) is a develop tree.
+_RELEASE_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+(\.post[0-9]+)?")
 
 
 def release_rules(name: str | None, installed: InstalledFastDeploy | None = None) -> Release:
@@ -95,7 +113,7 @@ def release_rules(name: str | None, installed: InstalledFastDeploy | None = None
         name = found.release if found is not None and found.release else DEFAULT_RELEASE
     if name not in RULES:
         raise ConfigError(
-            f"--fastdeploy-version must be one of {', '.join(RELEASES)}; got {name!r}."
+            f"--fastdeploy-version must be one of {', '.join(RELEASES)}; got {shown(name)}."
         )
     return RULES[name]
 

@@ -30,6 +30,7 @@ from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
 from fd_cudagraph_plugin.tools import capture_rules
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
+    DRAFT_MODEL_METHODS,
     MAX_PREFILL_SHAPE,
     MAX_SPECULATIVE_TOKENS,
     MAX_TENSOR_PARALLEL_SIZE,
@@ -47,6 +48,7 @@ from fd_cudagraph_plugin.tools.installed import (
     installed_fastdeploy,
     release_rules,
 )
+from fd_cudagraph_plugin.tools.wording import plural, shown
 
 #: FastDeploy's default ``max_capture_shape_prefill``.
 DEFAULT_PREFILL_SHAPE = 512
@@ -69,7 +71,7 @@ class PlanInput:
     capture_sizes: tuple[int, ...] | None = None
     capture_sizes_prefill: tuple[int, ...] | None = None
     splitwise_role: str = "mixed"
-    #: None: the release's default (false on 2.4 .. 2.6, true on develop).
+    #: None: the release's default (true on develop, r3_mm_dev; false on the others).
     draft_model_use_cudagraph: bool | None = None
     #: None: the installed FastDeploy's release, else develop.
     fastdeploy_version: str | None = None
@@ -138,6 +140,8 @@ class Plan:
 
         return {
             "fastdeploy_version": self.release,
+            "rules_branch": capture_rules.RULES[self.release].branch,
+            "rules_commit": capture_rules.RULES[self.release].commit,
             "rules": "fastdeploy" if self.from_fastdeploy else "copy",
             "settings": {
                 "max_num_seqs": self.inputs.max_num_seqs,
@@ -185,9 +189,9 @@ class Plan:
 
 def check_count(flag: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{flag} must be an integer >= {minimum}; got {value!r}.")
+        raise ConfigError(f"{flag} must be an integer >= {minimum}; got {shown(value)}.")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{flag} must be at most {maximum}; got {value}.")
+        raise ConfigError(f"{flag} must be at most {maximum}; got {shown(value)}.")
     return value
 
 
@@ -197,7 +201,7 @@ def _check_sizes(flag: str, sizes: tuple[int, ...] | None) -> list[int] | None:
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
     if not sizes or bad:
         raise ConfigError(
-            f"{flag} must be a non-empty list of positive integers; got {list(sizes)!r}. "
+            f"{flag} must be a non-empty list of positive integers; got {shown(list(sizes))}. "
             f"Pass e.g. {flag} 1,2,4,8."
         )
     return list(sizes)
@@ -215,7 +219,7 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
         return 0
     if method not in SPEC_METHODS:
         raise ConfigError(
-            f"--spec-method must be one of {', '.join(SPEC_METHODS)}; got {method!r}. "
+            f"--spec-method must be one of {', '.join(SPEC_METHODS)}; got {shown(method)}. "
             "Leave it out when serving without speculative decoding."
         )
     if method not in release.spec_methods:
@@ -236,7 +240,7 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
     if bad_k(k):
         raise ConfigError(
             f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} for "
-            f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {k!r}."
+            f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {shown(k)}."
         )
     return k
 
@@ -263,12 +267,21 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         )
     if inputs.graph_opt_level not in (0, 1, 2):
         raise ConfigError(
-            f"--graph-opt-level must be 0, 1 or 2; got {inputs.graph_opt_level!r}. "
+            f"--graph-opt-level must be 0, 1 or 2; got {shown(inputs.graph_opt_level)}. "
             "0 is dynamic, 1 static (SOT), 2 static with CINN."
         )
     user_decode = _check_sizes("--capture-sizes", inputs.capture_sizes)
     user_prefill = _check_sizes("--capture-sizes-prefill", inputs.capture_sizes_prefill)
     k = _effective_k(release, inputs)
+    draft = inputs.draft_model_use_cudagraph
+    if draft is not None and inputs.spec_method not in DRAFT_MODEL_METHODS:
+        flag = f"--{'' if draft else 'no-'}draft-model-use-cudagraph"
+        given = f"--spec-method {inputs.spec_method}" if inputs.spec_method else "no --spec-method"
+        raise ConfigError(
+            f"{flag} sets draft_model_use_cudagraph, which only an MTP draft model reads; with "
+            f"{given} FastDeploy builds no draft model and ignores it. Leave it out, or pass "
+            "--spec-method mtp."
+        )
     odd = capture_rules.check_even_token_cap(release, inputs.spec_method, k, max_num_seqs)
     if odd:
         raise ConfigError(odd)
@@ -312,7 +325,7 @@ def _decode_cap(release: Release, s: ServingSettings) -> tuple[int, int, str]:
     if s.only_prefill:  # 2.4 and 2.5 set 512 after scaling
         return DECODE_CAP, 1, "512 (cudagraph_only_prefill)"
     cap = s.max_num_seqs * (s.k + 1) if scaling else s.max_num_seqs
-    if release.name == "2.4":
+    if release.caps_speculative_at_512:
         formula = "min(512, max_num_seqs" + (" x (k + 1))" if scaling else ")")
         return min(DECODE_CAP, cap), 1, formula
     return cap, 1, "max_num_seqs" + (" x (k + 1)" if scaling else "")
@@ -414,11 +427,11 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     _size_notes(notes, release, inputs, mode, s, prefill)
     _list_notes(notes, release, s, derived)
     if not decode:
-        unit = "requests" if scale > 1 else "tokens"
+        noun = "request" if scale > 1 else "token"
         raise ConfigError(
             "no decode capture size is left: FastDeploy would build an empty "
             "cudagraph_capture_sizes and GraphOptBackend fails on its first call. "
-            f"Give --capture-sizes at or below {cap // scale} {unit}"
+            f"Give --capture-sizes at or below {plural(cap // scale, noun)}"
             + (f" divisible by {s.tensor_parallel_size}" if derived.filtered else "")
             + ", or raise --max-num-seqs."
         )
@@ -506,7 +519,8 @@ def _stale_notes(
         sizes = sorted({theirs for _, theirs, _ in stale})
         notes.append(
             f"FastDeploy's real_shape_to_captured_size was built before filter_capture_size and "
-            f"still maps {len(stale)} token counts to removed sizes {_listing(sizes)}; its own "
+            f"still maps {plural(len(stale), 'token count')} to removed "
+            f"{'size' if len(sizes) == 1 else 'sizes'} {_listing(sizes)}; its own "
             "backend would fail there. The plugin pads through the filtered list, as printed."
         )
     stale_running = [
@@ -516,8 +530,9 @@ def _stale_notes(
     ]
     if stale_running:
         notes.append(
-            f"FastDeploy's real_bsz_to_captured_size maps {len(stale_running)} running-request "
-            "counts to sizes that are not captured; the plugin pads them to the next captured "
+            "FastDeploy's real_bsz_to_captured_size maps "
+            f"{plural(len(stale_running), 'running-request count')} to sizes that are not "
+            "captured; the plugin pads them to the next captured "
             "size, or by token count where no graph holds them."
         )
 
@@ -578,16 +593,23 @@ def _size_notes(
 def _list_notes(notes: list[str], release: Release, s: ServingSettings, derived: Derived) -> None:
     """The release's speculative scaling, the splitwise role and sequence-parallel MoE."""
     if s.method in ("mtp", "ngram", "suffix"):
-        if release.name == "2.4" and s.method == "mtp":
+        if release.generation == "2.4" and s.method == "mtp":
             notes.append(
                 "FastDeploy 2.4 multiplies only the decode cap by k + 1 for mtp, not the sizes, "
                 "and builds no real_bsz_to_captured_size: graphs are keyed by token count."
             )
-        elif release.name == "2.5":
+        elif release.generation == "2.5":
+            within = "within 512" if release.caps_speculative_at_512 else "without 512"
+            keyed = (
+                ""
+                if release.has_bsz_map
+                else "; it builds no real_bsz_to_captured_size: graphs are keyed by token count"
+            )
             notes.append(
-                "FastDeploy 2.5 multiplies the automatic sizes by k + 1 for every method, and "
-                "the decode cap (without 512) only for mtp and suffix; user-given "
-                "cudagraph_capture_sizes are tokens, as given."
+                f"FastDeploy {release.name} multiplies the automatic sizes by k + 1 for every "
+                f"method, and the decode cap ({within}) only for "
+                f"{' and '.join(release.scaling_methods)}; user-given cudagraph_capture_sizes are "
+                f"tokens, as given{keyed}."
             )
         elif s.method not in release.scaling_methods:
             notes.append(
@@ -702,7 +724,7 @@ def _describe_backend(
 
 
 def graphs_phrase(count: int) -> str:
-    return f"{count} graph{'' if count == 1 else 's'}"
+    return plural(count, "graph")
 
 
 def _listing(values: list[int]) -> str:
@@ -738,6 +760,12 @@ def format_plan(plan: Plan) -> str:
     sp_moe = "on" if inputs.sequence_parallel_moe else "off"
     lines = [
         f"rules: {plan.rules}",
+        (
+            "the project's copy of these rules, compared with them: read from "
+            if plan.from_fastdeploy
+            else "rules read from: "
+        )
+        + capture_rules.RULES[plan.release].source,
         f"settings: max_num_seqs={inputs.max_num_seqs}, speculative={spec}, "
         f"tensor_parallel_size={inputs.tensor_parallel_size}, sequence-parallel MoE={sp_moe}, "
         f"graph_opt_level={inputs.graph_opt_level}, full_cuda_graph="

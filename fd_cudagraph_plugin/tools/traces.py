@@ -21,6 +21,7 @@ from typing import BinaryIO
 from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
 from fd_cudagraph_plugin.core.stats import STATS_FORMAT
 from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS, bad_k
+from fd_cudagraph_plugin.tools.wording import LIMIT, shown
 
 _HEX_ID = re.compile(r"(0x)?[0-9a-fA-F]+")
 _DIGITS = re.compile(r"[0-9]+")
@@ -79,7 +80,7 @@ def read_histogram(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -
     histogram = Histogram()
     for path in paths:
         if str(path) == "-":
-            _read(stdin or sys.stdin.buffer, "<stdin>", histogram)
+            _read_stdin(stdin, histogram)
             continue
         try:
             with open(path, "rb") as handle:
@@ -92,6 +93,21 @@ def read_histogram(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -
             "tune one kind at a time (pass only the files of one deployment)."
         )
     return histogram
+
+
+def _read_stdin(stdin: BinaryIO | None, histogram: Histogram) -> None:
+    """``-``: standard input, which may be closed (``<&-``: Python then has no sys.stdin)."""
+    if stdin is None:
+        if sys.stdin is None:
+            raise TraceError(
+                "standard input is closed, so - has nothing to read; pass a trace file, or pipe "
+                "a trace into fd-cudagraph tune -."
+            )
+        stdin = sys.stdin.buffer
+    try:
+        _read(stdin, "<stdin>", histogram)
+    except OSError as error:
+        raise TraceError(f"cannot read standard input: {error.strerror or error}.") from None
 
 
 def _lines(handle: BinaryIO) -> Iterator[bytes]:
@@ -210,18 +226,20 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
         raise TraceError(f"{where}: missing {', '.join(map(repr, missing))} in the stats line.")
     time, rank, backend = record["time"], record["rank"], record["backend"]
     if isinstance(time, bool) or not isinstance(time, (int, float)) or not math.isfinite(time):
-        raise TraceError(f'{where}: "time" must be a unix time in seconds; got {time!r}.')
+        raise TraceError(f'{where}: "time" must be a unix time in seconds; got {shown(time)}.')
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise TraceError(f'{where}: "rank" must be an integer >= 0; got {rank!r}.')
+        raise TraceError(f'{where}: "rank" must be an integer >= 0; got {shown(rank)}.')
     if not isinstance(backend, str) or not _HEX_ID.fullmatch(backend):
-        raise TraceError(f'{where}: "backend" must be a hex id such as "7f3a2c"; got {backend!r}.')
+        raise TraceError(
+            f'{where}: "backend" must be a hex id such as "7f3a2c"; got {shown(backend)}.'
+        )
     if running:
         k = record.get("num_speculative_tokens")
         if bad_k(k):
             raise TraceError(
                 f'{where}: "num_speculative_tokens" must be an integer in '
                 f"1..{MAX_SPECULATIVE_TOKENS} (FastDeploy's range) next to running_request_counts; "
-                f"got {k!r}."
+                f"got {shown(k)}."
             )
         if histogram.num_speculative_tokens not in (None, k):
             raise TraceError(
@@ -238,9 +256,10 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
             what = "request" if running else "token"
             raise TraceError(f'{where}: "{key}" key {count[:40]!r} is not a {what} count.')
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_STEPS:
-            shown = f"{str(steps)[:24]}..." if len(str(steps)) > 24 else repr(steps)
+            entry = repr(count) if len(count) <= LIMIT else shown(count)
             raise TraceError(
-                f'{where}: "{key}"[{count!r}] must be a step count in 0..{MAX_STEPS}; got {shown}.'
+                f'{where}: "{key}"[{entry}] must be a step count in 0..{MAX_STEPS}; got '
+                f"{shown(steps)}."
             )
         parsed.append((_parse_count(count, where), steps))
     histogram.kinds.add("running" if running else "decode")

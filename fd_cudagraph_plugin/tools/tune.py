@@ -59,6 +59,7 @@ from fd_cudagraph_plugin.tools.plan import (
     release_rules,
 )
 from fd_cudagraph_plugin.tools.traces import TraceError
+from fd_cudagraph_plugin.tools.wording import plural, shown
 
 
 def padded_tokens(sizes: Iterable[int], histogram: Mapping[int, int]) -> int:
@@ -204,10 +205,10 @@ def _speculative_tokens(
     k = (recorded or 0) if requested is None else _requested_k(requested, recorded, kinds)
     if k and not release.has_bsz_map:
         raise ConfigError(
-            "FastDeploy 2.4 builds no real_bsz_to_captured_size: its speculative graphs are keyed "
-            "by token count, so sizes fitted in running requests do not apply. Tune a trace of "
-            "decode token counts (without --num-speculative-tokens), or pick another "
-            "--fastdeploy-version."
+            f"FastDeploy {release.name} builds no real_bsz_to_captured_size: its speculative "
+            "graphs are keyed by token count, so sizes fitted in running requests do not apply. "
+            "Tune a trace of decode token counts (without --num-speculative-tokens), or pick "
+            "another --fastdeploy-version."
         )
     return k
 
@@ -216,7 +217,7 @@ def _requested_k(requested: int, recorded: int | None, kinds: set[str]) -> int:
     if bad_k(requested):
         raise ConfigError(
             f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
-            f"FastDeploy's range for mtp, ngram and suffix; got {requested!r}."
+            f"FastDeploy's range for mtp, ngram and suffix; got {shown(requested)}."
         )
     if recorded is not None and recorded != requested:
         raise ConfigError(
@@ -254,12 +255,12 @@ def tune(
     # (config.py), so larger counts run eagerly under any list.
     cap = release.decode_cap
     k = _speculative_tokens(histogram, num_speculative_tokens, release)
-    unit = "running requests" if k else "tokens"
+    noun = "running request" if k else "token"
     if max_size is not None and (
         isinstance(max_size, bool) or not isinstance(max_size, int) or not 1 <= max_size <= cap
     ):
         raise ConfigError(
-            f"--max-size must be an integer in 1..{cap} ({unit}); got {max_size!r}. "
+            f"--max-size must be an integer in 1..{cap} ({noun}s); got {shown(max_size)}. "
             f"FastDeploy captures no decode size above min({DECODE_CAP}, max_num_seqs), and "
             f"FastDeploy {release.name} allows max_num_seqs up to {release.max_num_seqs}."
         )
@@ -271,7 +272,7 @@ def tune(
     limit = cap if max_size is None else max_size
     kept = {n: histogram[n] for n in observed if n <= limit}
     if not kept:
-        raise _nothing_to_tune(observed, beyond, max_size, cap, unit, release)
+        raise _nothing_to_tune(observed, beyond, max_size, cap, noun, release)
     # Without --max-size the largest size is the largest count a step really has: a larger one
     # would be a graph that no observed step pads to.
     top = max(kept) if max_size is None else max_size
@@ -325,13 +326,13 @@ def tune(
 
 
 def _nothing_to_tune(
-    observed: list[int], beyond: int, max_size: int | None, cap: int, unit: str, release: Release
+    observed: list[int], beyond: int, max_size: int | None, cap: int, noun: str, release: Release
 ) -> TraceError:
     """Why no step of the trace can be graphed, with the bound that applies."""
     if max_size is not None and (observed or beyond):
         smallest = f" (smallest {min(observed)})" if observed else ""
         return TraceError(
-            f"every decode step in the trace has more than --max-size {max_size} {unit}"
+            f"every decode step in the trace has more than --max-size {plural(max_size, noun)}"
             f"{smallest}; raise --max-size."
         )
     bound = (
@@ -341,11 +342,12 @@ def _nothing_to_tune(
     if observed or beyond:
         smallest = f" (the smallest has {min(observed)})" if observed else ""
         return TraceError(
-            f"every decode step in the trace has more than {cap} {unit}{smallest}, {bound}; "
+            f"every decode step in the trace has more than {plural(cap, noun)}{smallest}, "
+            f"{bound}; "
             "FastDeploy runs them eagerly whatever the list, nothing to tune."
         )
     return TraceError(
-        f"the trace holds no decode step with 1 to {cap} {unit} ({bound}); nothing to tune."
+        f"the trace holds no decode step with 1 to {plural(cap, noun)} ({bound}); nothing to tune."
     )
 
 
@@ -354,10 +356,10 @@ def format_result(result: TuneResult) -> str:
         return f"{tokens / result.steps:.3f} per step"
 
     k = result.num_speculative_tokens
-    unit = "running requests" if k else "tokens"
+    noun = "running request" if k else "token"
     low, high = result.observed
-    counts = f"{low}" if low == high else f"{low}..{high}"
-    lines = [f"decode steps: {result.steps} with {counts} {unit}"]
+    counts = plural(low, noun) if low == high else f"{low}..{high} {noun}s"
+    lines = [f"decode steps: {result.steps} with {counts}"]
     if k:
         takes = (
             "as cudagraph_capture_sizes takes them"
@@ -371,8 +373,9 @@ def format_result(result: TuneResult) -> str:
         )
     if result.eager_above_max or result.eager_zero_tokens:
         lines.append(
-            f"left out (FastDeploy runs them eagerly): {result.eager_above_max} steps above "
-            f"{result.max_size} {unit}, {result.eager_zero_tokens} steps with 0 tokens"
+            f"left out (FastDeploy runs them eagerly): {plural(result.eager_above_max, 'step')} "
+            f"above {plural(result.max_size, noun)}, {plural(result.eager_zero_tokens, 'step')} "
+            "with 0 tokens"
         )
     tuned, baseline = result.capture_sizes, result.baseline_capture_sizes
     if result.baseline_padded_tokens:

@@ -1,0 +1,34 @@
+"""How the tools word counts and echo what they were given: plurals, and values shortened.
+
+An error echoes the bad value so the user sees what was read, but a 5000-digit number or a
+megabyte of text is no help on a terminal: past ``LIMIT`` characters the echo keeps the head and
+says how long the whole was.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fd_cudagraph_plugin.core.text import plural
+
+__all__ = ["LIMIT", "plural", "shown"]
+
+#: Longest value echoed whole.
+LIMIT = 24
+_NUMBER = re.compile(r"[+-]?[0-9]+")
+
+
+def shown(value: object) -> str:
+    """``value`` as an error echoes it: digits as a number, other text quoted, anything else as
+    ``repr``; shortened past ``LIMIT`` characters (``1111111111... (5000 digits)``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and _NUMBER.fullmatch(value):
+        if len(value) <= LIMIT:
+            return value
+        return f"{value[:LIMIT]}... ({len(value.lstrip('+-'))} digits)"
+    text = value if isinstance(value, str) else repr(value)
+    quote = repr if isinstance(value, str) else str
+    if len(text) <= LIMIT:
+        return quote(text)
+    return f"{quote(text[:LIMIT])}... ({len(text)} characters)"
