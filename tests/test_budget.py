@@ -248,11 +248,49 @@ def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, cap
     assert any("num_gpu_blocks_override" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("value", ["lots", "0", "-2GiB", "2TiB", "2 parsecs"])
-def test_a_bad_reserve_is_refused_naming_the_setting(monkeypatch, value):
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("lots", "must be off, auto, or a size"),
+        ("-2GiB", "must be off, auto, or a size"),
+        ("2TiB", "at most 1 TiB"),
+        ("nanGiB", "must be off, auto, or a size"),
+        ("1e400GiB", "at most 1 TiB"),
+        ("2 parsecs", "'parsecs' is no unit"),
+        # Before: a bare number meant bytes, and what rounded to 0 bytes was taken as 0.
+        ("2", "needs its unit"),
+        ("0", "needs its unit"),
+        ("0.5", "needs its unit"),
+        ("0.4b", "rounds to 0 bytes"),
+        ("0.0001KiB", "rounds to 0 bytes"),
+    ],
+)
+def test_a_bad_reserve_is_refused_naming_the_setting_and_why(monkeypatch, value, why):
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", value)
-    with pytest.raises(ConfigError, match=r"FD_CUDAGRAPH_KV_RESERVE=.*off, auto, or a size"):
+    with pytest.raises(ConfigError, match=rf"FD_CUDAGRAPH_KV_RESERVE=.*{why}.*Fix or unset"):
         PluginOptions.from_env()
+
+
+@pytest.mark.parametrize(
+    ("value", "nbytes", "read"),
+    [
+        ("1TiB", 1 << 40, "1.00 TiB, 1099511627776 bytes"),  # refused before: no TiB unit
+        ("2GiB", 2 << 30, "2.00 GiB, 2147483648 bytes"),
+        ("1.5GB", 1_500_000_000, "1.40 GiB, 1500000000 bytes"),
+        ("512 mib", 512 << 20, "512.00 MiB, 536870912 bytes"),
+        ("2B", 2, "2 bytes"),
+    ],
+)
+def test_a_reserve_size_is_read_with_its_unit_and_doctor_shows_how(
+    monkeypatch, value, nbytes, read
+):
+    from fd_cudagraph_plugin.tools import doctor
+
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", value)
+    assert PluginOptions.from_env().kv_reserve == nbytes
+    result = doctor.check_options({"FD_CUDAGRAPH_KV_RESERVE": value})
+    assert result.status == doctor.OK
+    assert f"FD_CUDAGRAPH_KV_RESERVE={value} (read as {read})" in result.detail
 
 
 def _record_entry(tmp_path, **entry) -> str:

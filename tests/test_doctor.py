@@ -290,3 +290,12 @@ def test_a_removed_option_fails_the_options_check_and_is_no_typo():
     assert result.status == FAIL
     assert "FD_CUDAGRAPH_AR_REGISTRATION was removed in fd-cudagraph-plugin 0.2" in result.detail
     assert doctor.check_unknown_options(environ).status == OK
+
+
+def test_a_removed_value_is_one_message_not_also_an_unknown_value():
+    # Before: "FD_CUDAGRAPH_POOL=device was removed ..." and "FD_CUDAGRAPH_POOL='device' is not a
+    # known value ..." ran together in one detail.
+    result = doctor.check_options({"FD_CUDAGRAPH_POOL": "device"})
+    assert result.status == doctor.FAIL
+    assert "FD_CUDAGRAPH_POOL=device was removed in fd-cudagraph-plugin 0.3" in result.detail
+    assert "not a known value" not in result.detail

@@ -12,6 +12,7 @@ declaration, and tests/test_docs.py checks the README's table against it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -70,28 +71,54 @@ _UNITS = {
     "kib": 1 << 10,
     "mib": 1 << 20,
     "gib": 1 << 30,
+    "tib": 1 << 40,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
+    "tb": 10**12,
 }
 #: Largest reserve that can be asked for: 1 TiB, more than any GPU has.
 MAX_RESERVE_BYTES = 1 << 40
+_SIZE_FORMS = "off, auto, or a size with its unit such as 2GiB, 512MiB, 1.5GB or 1TiB"
 
 
 def _reserve(text: str) -> object:
-    """``off``, ``auto``, or a size (``2GiB``, ``512MiB``, ``1.5GB``, bytes) -> int."""
+    """``off``, ``auto``, or a size with its unit (``2GiB``, ``512MiB``, ``1.5GB``; bytes only as
+    ``B``) -> int. A bare number is refused: ``2`` meant 2 bytes, which nobody means."""
     lowered = text.strip().lower().replace(" ", "")
     if lowered in ("off", "auto"):
         return lowered
-    number = lowered.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = lowered[len(number) :] or "b"
-    try:
-        value = float(number) * _UNITS[unit]
-    except (KeyError, ValueError):
-        value = -1
-    if not 0 < value <= MAX_RESERVE_BYTES:
-        raise ValueError("must be off, auto, or a size up to 1 TiB such as 2GiB, 512MiB or 1.5GB")
+    found = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([a-z]*)", lowered)
+    if found is None:
+        raise ValueError(f"must be {_SIZE_FORMS}")
+    number, unit = found.groups()
+    if not unit:
+        raise ValueError(f"a size needs its unit (2GiB, 512MiB; bytes as 2B): {_SIZE_FORMS}")
+    if unit not in _UNITS:
+        raise ValueError(f"{unit!r} is no unit of {', '.join(_UNITS)}; must be {_SIZE_FORMS}")
+    value = float(number) * _UNITS[unit]
+    if value > MAX_RESERVE_BYTES:
+        raise ValueError(f"must be {_SIZE_FORMS}, at most 1 TiB")
+    if int(value) < 1:
+        raise ValueError(
+            "rounds to 0 bytes, which reserves nothing: write off for no reserve, or a size such "
+            "as 2GiB"
+        )
     return int(value)
+
+
+def describe(env: str, value: object) -> str:
+    """How a parsed value reads back, for ``fd-cudagraph doctor``: what the plugin will use."""
+    if env == "FD_CUDAGRAPH_KV_RESERVE" and isinstance(value, int):
+        units = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+        unit, scale = next(((u, s) for u, s in units if value >= s), ("B", 1))
+        exact = f"{value} byte{'' if value == 1 else 's'}"
+        return f"{value / scale:.2f} {unit}, {exact}" if scale > 1 else exact
+    if env == "FD_CUDAGRAPH_CHECK_ADDRESSES" and isinstance(value, int):
+        return {0: "off", 1: "every replay"}.get(value, f"one replay in {value}")
+    if isinstance(value, float):
+        return "off" if value == 0 and env == "FD_CUDAGRAPH_STATS_INTERVAL" else f"{value:g} s"
+    return str(value)
 
 
 #: Placeholders of output paths, expanded per process by ``stats.output_path``.

@@ -20,6 +20,7 @@ from fd_cudagraph_plugin.core.options import (
     OPTION_PREFIX,
     OPTIONS,
     PATH_OPTIONS,
+    describe,
     probe_writable,
     read_option,
     removed_option_error,
@@ -324,6 +325,8 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
     removed = removed_option_error(environ)
     values, errors = {}, [str(removed)] if removed else []
     for option in OPTIONS:
+        if removed is not None and f"{option.env}=" in str(removed).split(" was removed")[0]:
+            continue  # one message for a removed value, not also "not a known value"
         try:
             values[option.env] = read_option(option.env, environ)
         except ConfigError as error:
@@ -338,7 +341,7 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
         return CheckResult(name, FAIL, " ".join(errors))
     set_here = [o.env for o in OPTIONS if environ.get(o.env, "").strip()]
     defaults = len(OPTIONS) - len(set_here)
-    detail = ", ".join(f"{env}={environ[env].strip()}" for env in set_here)
+    detail = ", ".join(_as_read(env, environ[env].strip(), values[env]) for env in set_here)
     detail = f"{detail}; the other {defaults}" if set_here else f"all {defaults}"
     detail += " at their defaults"
     caveats, fixes = [], []
@@ -356,6 +359,13 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
     if caveats:
         return CheckResult(name, WARN, f"{detail}: {'; '.join(caveats)}.", " ".join(fixes))
     return CheckResult(name, OK, f"{detail}.")
+
+
+def _as_read(env: str, raw: str, value: object) -> str:
+    """``FD_CUDAGRAPH_KV_RESERVE=2GiB (read as 2.00 GiB, 2147483648 bytes)``: what the plugin
+    will use, where it reads otherwise than written."""
+    read = describe(env, value)
+    return f"{env}={raw}" if read.lower() == raw.lower() else f"{env}={raw} (read as {read})"
 
 
 def check_unknown_options(environ: Mapping[str, str]) -> CheckResult:
