@@ -40,8 +40,8 @@ def rank_main(args: argparse.Namespace) -> int:
 
     from fd_cudagraph_plugin import plugin
     from fd_cudagraph_plugin.core import process, runtime, session
-    from fd_cudagraph_plugin.core.channel import Outcome
     from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
+    from fd_cudagraph_plugin.core.wire import Outcome
 
     dist.init_parallel_env()
     world, index = dist.get_world_size(), dist.get_rank()

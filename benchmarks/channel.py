@@ -46,7 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fd_cudagraph_plugin.core.channel import Outcome, SocketLink  # noqa: E402
+from fd_cudagraph_plugin.core.channel import SocketLink  # noqa: E402
+from fd_cudagraph_plugin.core.wire import Outcome  # noqa: E402
 
 POINTS = 110
 #: A group id of the plugin's own, apart from FastDeploy's TP and EP groups

@@ -309,7 +309,7 @@ class PeerLink:
         return 0
 
     def agree(self, label, status, timeout):
-        from fd_cudagraph_plugin.core.channel import Outcome
+        from fd_cudagraph_plugin.core.wire import Outcome
 
         self.labels.append(label)
         self.posted.append((label, status))

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from fd_cudagraph_plugin.core import channel
+from fd_cudagraph_plugin.core import channel, wire
 from fd_cudagraph_plugin.core.agreement import agreed_error
 from fd_cudagraph_plugin.core.channel import Decider, LocalLink, SocketLink
 
@@ -291,8 +291,8 @@ def test_a_late_reply_is_never_taken_for_the_next_point():
         replies = 0
         while replies < 2:
             inbox += conn.recv(65536)
-            message = channel._take_frame(inbox, 1 << 20)
-            while message is not channel._INCOMPLETE:
+            message = wire.take_frame(inbox, 1 << 20)
+            while message is not wire.INCOMPLETE:
                 if message["op"] == "hello":
                     conn.sendall(frame({"op": "welcome"}))
                 elif message["op"] == "post":
@@ -311,7 +311,7 @@ def test_a_late_reply_is_never_taken_for_the_next_point():
                         }
                         conn.sendall(frame(outcome))
                     replies += 1
-                message = channel._take_frame(inbox, 1 << 20)
+                message = wire.take_frame(inbox, 1 << 20)
         conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -612,21 +612,21 @@ def test_the_largest_real_post_fits_the_frame_cap_with_room():
     }
     unwarmed = [{"decode": sizes, "prefill": []}] * 2
     status = {"payload": {"plan": plan, "unwarmed": unwarmed}}
-    post = channel._post([0, 0], "plan", status, 7)
+    post = wire.post_frame([0, 0], "plan", status, 7)
     size = len(post) - 4
-    assert size < channel.MAX_POST_BYTES // 2, size
+    assert size < wire.MAX_POST_BYTES // 2, size
     assert "failure" not in json.loads(post[4:])["status"]
     # An outcome of 8 ranks of it fits the client's cap.
-    assert 8 * size < channel.max_reply_bytes(8)
+    assert 8 * size < wire.max_reply_bytes(8)
 
 
 def test_a_status_too_large_for_the_channel_becomes_this_ranks_failure(group):
-    huge = {"payload": "x" * (channel.MAX_POST_BYTES + 1)}
+    huge = {"payload": "x" * (wire.MAX_POST_BYTES + 1)}
     outcomes, took = group.point("plan", statuses={1: huge})
     assert took < QUICK
     text = str(agreed_error(outcomes[0], 2, 5.0))
     assert "rank 1 posted a status at 'plan' that the channel does not accept" in text
-    assert f"over the channel's {channel.MAX_POST_BYTES}" in text
+    assert f"over the channel's {wire.MAX_POST_BYTES}" in text
 
 
 # -------------------------------------------------------------------------- where it listens

@@ -92,7 +92,7 @@ def test_static_full_decode_is_none_in_other_modes(plugin_registered):
 
 def test_a_replay_of_a_key_paddle_never_captured_runs_the_program_plainly(partial_program_calls):
     """REPLAY reaches Paddle only for keys it captured: there is no graph to replay otherwise."""
-    from fd_cudagraph_plugin.core.static import StaticGraphDriver
+    from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
 
     model = DecoratedBackbone(fd_config=make_config(4, graph_opt_level=1))
     static = model.graph_opt_backend.runnable

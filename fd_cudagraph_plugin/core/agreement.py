@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from fd_cudagraph_plugin.core import budget
-from fd_cudagraph_plugin.core.channel import MAX_TEXT, Link, LocalLink, Outcome
+from fd_cudagraph_plugin.core.channel import Link, LocalLink
 from fd_cudagraph_plugin.core.errors import (
     CaptureError,
     CudaGraphPluginError,
@@ -32,6 +32,7 @@ from fd_cudagraph_plugin.core.errors import (
     SelfCheckError,
 )
 from fd_cudagraph_plugin.core.key import GraphKey
+from fd_cudagraph_plugin.core.wire import MAX_TEXT, Outcome
 
 T = TypeVar("T")
 

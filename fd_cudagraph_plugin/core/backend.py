@@ -77,7 +77,7 @@ class CudaGraphBackend:
         self.runtime = runtime if runtime is not None else get_runtime(options.runtime)
         self._static = None
         if settings.dy2st:
-            from fd_cudagraph_plugin.core.static import StaticGraphDriver
+            from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
 
             self._static = StaticGraphDriver()
         self.capturer = Capturer(

@@ -2,7 +2,7 @@
 and the self-check, each step followed by an agreement point (``agreement.Agreement``).
 
 Dynamic entries are captured by the runtime (``runtime/``); static ones by Paddle inside its
-partial programs (``static.py``). Warm-ups run outside FastDeploy's custom all-reduce capture state
+partial programs (``dy2st.py``). Warm-ups run outside FastDeploy's custom all-reduce capture state
 and the capture inside it: there, every all-reduce that is not being captured returns an
 uninitialised buffer. The graph's buffers are registered (a collective over the TP group) only
 once every rank has said its capture succeeded. ``capture`` returns what it captured; the backend
@@ -20,11 +20,11 @@ from typing import Any
 
 from fd_cudagraph_plugin.core import outputs, seam
 from fd_cudagraph_plugin.core.agreement import Agreement, Participant
+from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError, SelfCheckError
 from fd_cudagraph_plugin.core.key import DECODE, GraphKey
 from fd_cudagraph_plugin.core.runtime import Graph, GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings
-from fd_cudagraph_plugin.core.static import StaticGraphDriver
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 

@@ -1,4 +1,5 @@
 """The channel tensor-parallel ranks agree over: TP rank 0's server, and each rank's link to it.
+What travels on it, and what a valid message is, is ``wire.py``.
 
 A capture session has fixed agreement points (``agreement.py`` says where and what they mean). At
 each, every rank posts its status (ok, a payload, or what failed) and gets back one outcome, the
@@ -34,92 +35,53 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import secrets
 import selectors
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fd_cudagraph_plugin.core.wire import (
+    INCOMPLETE,
+    MAX_HELLO_BYTES,
+    MAX_LABEL,
+    MAX_POST_BYTES,
+    MAX_TEXT,
+    PROTOCOL,
+    BadMessage,
+    Outcome,
+    check_outcome,
+    check_status,
+    frame,
+    malformed_status,
+    max_reply_bytes,
+    parse_key,
+    post_frame,
+    take_frame,
+    text_field,
+)
+
 logger = logging.getLogger("fd_cudagraph_plugin")
 
-PROTOCOL = 2
-_HEADER = struct.Struct("!I")
 #: Seconds a new connection has to say hello. Ranks send it right after connecting.
 HELLO_SECONDS = 1.0
 #: Connections that have not said hello yet, at most; the oldest is dropped for a new one, so a
 #: flood of idle connections can neither exhaust the worker's descriptors nor keep a rank out.
 MAX_PENDING = 32
-#: A hello is small; anything longer is not one of ours.
-MAX_HELLO_BYTES = 256
-#: The largest post: the plan point's status of a worker with a target and an MTP draft backend
-#: and every list at FastDeploy's limits is under 6 KiB (``tests/test_channel.py`` measures it;
-#: long lists are digested, ``agreement.compact``).
-MAX_POST_BYTES = 16 << 10
 #: What a rank's unread replies may hold before the server gives up on it.
 MAX_OUTBOX_BYTES = 1 << 20
-MAX_LABEL = 200
-MAX_TEXT = 2000
-#: Keys of a point: (session epoch, point number), each below this.
-MAX_KEY = 1 << 31
 #: Seconds between reads of the store while waiting for TP rank 0 to publish its address; each
 #: read is one store round trip (about 44 ms with Paddle 3.3.1).
 _STORE_POLL_SECONDS = 0.05
-
-
-def max_reply_bytes(world: int) -> int:
-    """An outcome holds every rank's post."""
-    return world * (MAX_POST_BYTES + 2 * MAX_LABEL) + 4096
 
 
 def give_up_margin(timeout: float) -> float:
     """How long before its deadline a rank asks the server to abandon a point: the time the
     server has to answer, so that the whole wait stays within ``timeout``."""
     return min(2.0, timeout / 4)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What every rank learns at one agreement point."""
-
-    label: str
-    #: Each rank's posted status (None for "ok"), by rank; ranks that never posted are absent.
-    statuses: dict[int, dict[str, Any] | None]
-    #: Ranks that did not post: empty when the point completed.
-    missing: tuple[int, ...] = ()
-    #: Of ``missing``: ranks whose connection dropped (their process exited).
-    lost: tuple[int, ...] = ()
-    #: Seconds this rank waited, when the point was abandoned; 0 otherwise.
-    waited: float = 0.0
-    #: The label each rank posted with, by rank.
-    labels: dict[int, str] = field(default_factory=dict)
-    #: Ranks whose give-up (their FD_CUDAGRAPH_RANK_TIMEOUT ran out) abandoned the point.
-    gave_up: tuple[int, ...] = ()
-    #: Set when the channel itself failed: the server stopped, did not answer, or sent garbage.
-    channel_failure: str = ""
-    #: Of ``lost``: ranks the server dropped for what they sent, with why.
-    dropped: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing and not self.gave_up and not self.channel_failure
-
-    @property
-    def failures(self) -> dict[int, dict[str, Any]]:
-        """The failures posted, by rank (a status ``{"failure": {...}}``)."""
-        return {
-            rank: status["failure"]
-            for rank, status in sorted(self.statuses.items())
-            if status and "failure" in status
-        }
-
-    def shared(self) -> list[Any]:
-        """Each rank's payload (a status ``{"payload": ...}``), in rank order."""
-        return [(self.statuses.get(r) or {}).get("payload") for r in sorted(self.statuses)]
 
 
 class Link(Protocol):
@@ -146,176 +108,6 @@ class LocalLink:
 
     def next_epoch(self) -> int:
         return 0
-
-
-# ------------------------------------------------------------------------------ validation
-
-
-class BadMessage(ValueError):
-    """A message that is not what the protocol allows: its connection is dropped."""
-
-
-def _int(value: Any, name: str, low: int = 0, high: int = MAX_KEY) -> int:
-    if type(value) is not int or not low <= value < high:
-        raise BadMessage(f"{name} must be an integer in [{low}, {high})")
-    return value
-
-
-def _text(value: Any, name: str, limit: int = MAX_TEXT) -> str:
-    if type(value) is not str or len(value) > limit:
-        raise BadMessage(f"{name} must be a string of at most {limit} characters")
-    return value
-
-
-def _key(value: Any) -> tuple[int, int]:
-    if type(value) is not list or len(value) != 2:
-        raise BadMessage("key must be [epoch, point]")
-    return _int(value[0], "key[0]"), _int(value[1], "key[1]")
-
-
-_FAILURE_FIELDS = {
-    "rank": int,
-    "stage": str,
-    "where": str,
-    "mode": str,
-    "error": str,
-    "out_of_memory": bool,
-    "explained": bool,
-}
-_MEMORY_FIELDS = {
-    "captured_bytes": (int,),
-    "graphs_done": (int,),
-    "graphs_planned": (int,),
-    "free": (int, type(None)),
-    "total": (int, type(None)),
-    "utilization": (float, int, type(None)),
-    "kv_reserve": (str,),
-}
-
-
-def check_status(status: Any, world: int) -> dict[str, Any] | None:
-    """A posted status: None, ``{"payload": <JSON>}`` or ``{"failure": {...}}`` with exactly
-    the fields ``agreement.py`` writes. Payloads are checked by the point that reads them."""
-    if status is None:
-        return None
-    if type(status) is not dict or len(status) != 1:
-        raise BadMessage("status must be null, {payload} or {failure}")
-    if "payload" in status:
-        return status
-    failure = status.get("failure")
-    if type(failure) is not dict or not set(_FAILURE_FIELDS) <= set(failure) <= {
-        *_FAILURE_FIELDS,
-        "memory",
-    }:
-        raise BadMessage("failure must have exactly the fields " + ", ".join(_FAILURE_FIELDS))
-    for name, kind in _FAILURE_FIELDS.items():
-        if type(failure[name]) is not kind:
-            raise BadMessage(f"failure.{name} must be {kind.__name__}")
-        if kind is str:
-            _text(failure[name], f"failure.{name}")
-    _int(failure["rank"], "failure.rank", 0, world)
-    memory = failure.get("memory")
-    if memory is not None:
-        if type(memory) is not dict or set(memory) != set(_MEMORY_FIELDS):
-            raise BadMessage("failure.memory has the wrong fields")
-        for name, kinds in _MEMORY_FIELDS.items():
-            value = memory[name]
-            if type(value) not in kinds or (type(value) in (int, float) and not _sane(value)):
-                raise BadMessage(f"failure.memory.{name} is out of range")
-            if type(value) is str:
-                _text(value, f"failure.memory.{name}", MAX_LABEL)
-    return status
-
-
-def malformed_status(rank: int, label: str, why: str) -> dict[str, Any]:
-    return {
-        "failure": {
-            "rank": rank,
-            "stage": "agreement",
-            "where": "",
-            "mode": "the agreement channel",
-            "error": f"MalformedStatus: rank {rank} posted a status at '{label}' that the "
-            f"channel does not accept ({why}); every rank must run the same fd-cudagraph-plugin",
-            "out_of_memory": False,
-            "explained": True,
-        }
-    }
-
-
-def _sane(value: float) -> bool:
-    return math.isfinite(value) and 0 <= value < 1 << 60
-
-
-def _check_outcome(message: dict[str, Any], world: int) -> Outcome:
-    """A reply of the server, checked as strictly as the server checks posts."""
-    ranks = range(world)
-
-    def rank_list(name: str) -> tuple[int, ...]:
-        value = message.get(name)
-        if type(value) is not list or any(type(r) is not int or r not in ranks for r in value):
-            raise BadMessage(f"outcome.{name} must be a list of ranks")
-        return tuple(value)
-
-    statuses, labels, dropped = (
-        message.get("statuses"),
-        message.get("labels"),
-        message.get("dropped"),
-    )
-    if type(statuses) is not dict or type(labels) is not dict or type(dropped) is not dict:
-        raise BadMessage("outcome.statuses, labels and dropped must be objects")
-    by_rank: dict[int, Any] = {}
-    for raw, status in statuses.items():
-        if not raw.isdigit() or int(raw) not in ranks:
-            raise BadMessage("outcome.statuses must be keyed by rank")
-        by_rank[int(raw)] = check_status(status, world)
-    label_of = {}
-    for raw, label in labels.items():
-        if not raw.isdigit() or int(raw) not in ranks:
-            raise BadMessage("outcome.labels must be keyed by rank")
-        label_of[int(raw)] = _text(label, "label", MAX_LABEL)
-    why_dropped = {}
-    for raw, why in dropped.items():
-        if not raw.isdigit() or int(raw) not in ranks:
-            raise BadMessage("outcome.dropped must be keyed by rank")
-        why_dropped[int(raw)] = _text(why, "dropped", MAX_LABEL)
-    return Outcome(
-        label="",
-        statuses=by_rank,
-        missing=rank_list("missing"),
-        lost=rank_list("lost"),
-        labels=label_of,
-        gave_up=rank_list("gave_up"),
-        dropped=why_dropped,
-    )
-
-
-# ------------------------------------------------------------------------------------ wire
-
-
-def _frame(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
-    return _HEADER.pack(len(body)) + body
-
-
-def _take_frame(buffer: bytearray, cap: int) -> Any:
-    """The message at the front of ``buffer`` (consumed), or ``_INCOMPLETE``; BadMessage for a
-    frame longer than ``cap`` or a body that is not JSON."""
-    if len(buffer) < _HEADER.size:
-        return _INCOMPLETE
-    (size,) = _HEADER.unpack_from(buffer)
-    if size > cap:
-        raise BadMessage(f"a frame of {size} bytes (at most {cap})")
-    if len(buffer) < _HEADER.size + size:
-        return _INCOMPLETE
-    body = bytes(buffer[_HEADER.size : _HEADER.size + size])
-    del buffer[: _HEADER.size + size]
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as error:
-        raise BadMessage(f"not JSON ({type(error).__name__})") from None
-
-
-_INCOMPLETE = object()
 
 
 # ---------------------------------------------------------------------------------- server
@@ -490,7 +282,7 @@ class Server(threading.Thread):
         for rank, outcome in self.decider.settle():
             target = self.ranks.get(rank)
             if target is not None:
-                self._queue(target, _frame(outcome))
+                self._queue(target, frame(outcome))
         if self._stopping:
             self._close_all()
 
@@ -539,7 +331,7 @@ class Server(threading.Thread):
         # same read is held to the hello's cap too.
         cap = MAX_POST_BYTES if connection.rank is not None else MAX_HELLO_BYTES
         try:
-            while (message := _take_frame(connection.inbox, cap)) is not _INCOMPLETE:
+            while (message := take_frame(connection.inbox, cap)) is not INCOMPLETE:
                 batch.append((connection, message))
         except BadMessage as error:
             self._drop(connection, str(error))
@@ -553,9 +345,9 @@ class Server(threading.Thread):
                 raise BadMessage("the first message must be a hello")
             self._hello(connection, message)
             return
-        key = _key(message.get("key"))
+        key = parse_key(message.get("key"))
         if op == "post":
-            label = _text(message.get("label"), "label", MAX_LABEL)
+            label = text_field(message.get("label"), "label", MAX_LABEL)
             if "status" not in message:
                 raise BadMessage("a post needs a status")
             try:
@@ -591,11 +383,11 @@ class Server(threading.Thread):
             return
         connection.rank = rank
         self.ranks[rank] = connection
-        self._queue(connection, _frame({"op": "welcome"}))
+        self._queue(connection, frame({"op": "welcome"}))
 
     def _refuse(self, connection: _Connection, why: str) -> None:
         with contextlib.suppress(OSError):
-            connection.sock.send(_frame({"op": "refused", "why": why}))
+            connection.sock.send(frame({"op": "refused", "why": why}))
         self._drop(connection, f"refused: {why}")
 
     def _expire_hellos(self, now: float) -> None:
@@ -665,7 +457,7 @@ class Server(threading.Thread):
             self.selector.close()
 
     def _tell_everyone_and_close(self) -> None:
-        notice = _frame({"op": "failed", "why": (self.failure or "")[:MAX_TEXT]})
+        notice = frame({"op": "failed", "why": (self.failure or "")[:MAX_TEXT]})
         for connection in list(self.ranks.values()):
             with contextlib.suppress(OSError):
                 connection.sock.setblocking(True)
@@ -789,7 +581,7 @@ class SocketLink:
         end = started + timeout
         give_up_at = end - give_up_margin(timeout)
         try:
-            self._sock.sendall(_post(key, label, status, self.rank))
+            self._sock.sendall(post_frame(key, label, status, self.rank))
         except OSError:
             return self._gone()
         gave_up = False
@@ -798,7 +590,7 @@ class SocketLink:
             if not gave_up and now >= give_up_at:
                 gave_up = True
                 try:
-                    self._sock.sendall(_frame({"op": "give_up", "key": key}))
+                    self._sock.sendall(frame({"op": "give_up", "key": key}))
                 except OSError:
                     return self._gone()
                 continue
@@ -826,7 +618,7 @@ class SocketLink:
             if op != "outcome" or message.get("key") != key:
                 continue  # a late reply to an earlier point: never taken for this one
             try:
-                return _check_outcome(message, self.world)
+                return check_outcome(message, self.world)
             except BadMessage as error:
                 return self._fail_for_good(
                     f"the agreement server sent a malformed outcome ({error})"
@@ -837,10 +629,10 @@ class SocketLink:
         cap = max_reply_bytes(self.world)
         while True:
             try:
-                message = _take_frame(self._inbox, cap)
+                message = take_frame(self._inbox, cap)
             except BadMessage as error:
                 return f"the agreement server sent a malformed reply ({error})"
-            if message is not _INCOMPLETE:
+            if message is not INCOMPLETE:
                 return message if type(message) is dict else "the agreement server sent garbage"
             self._sock.settimeout(max(seconds, 0.001))
             try:
@@ -872,22 +664,6 @@ class SocketLink:
         return why
 
 
-def _post(key: list[int], label: str, status: Any, rank: int) -> bytes:
-    """A post's frame. A status the channel would refuse (too large, not JSON) becomes this
-    rank's failure, so that every rank stops on it with the reason."""
-    label = label[:MAX_LABEL]
-    try:
-        frame = _frame({"op": "post", "key": key, "label": label, "status": status})
-    except (TypeError, ValueError) as error:
-        why = f"it is not JSON ({type(error).__name__}: {error})"
-    else:
-        if len(frame) - _HEADER.size <= MAX_POST_BYTES:
-            return frame
-        why = f"it is {len(frame) - _HEADER.size} bytes, over the channel's {MAX_POST_BYTES}"
-    failure = malformed_status(rank, label, why)
-    return _frame({"op": "post", "key": key, "label": label, "status": failure})
-
-
 class _Retry(Exception):
     pass
 
@@ -909,9 +685,9 @@ def _join(published: dict[str, Any], rank: int, seconds: float) -> socket.socket
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = {"op": "hello", "protocol": PROTOCOL, "rank": rank, "token": published["token"]}
-        sock.sendall(_frame(hello))
+        sock.sendall(frame(hello))
         inbox = bytearray()
-        while (reply := _take_frame(inbox, 4096)) is _INCOMPLETE:
+        while (reply := take_frame(inbox, 4096)) is INCOMPLETE:
             chunk = sock.recv(4096)
             if not chunk:
                 raise _Retry("closed before the welcome")

@@ -19,7 +19,7 @@ RUNNING = "running"
 @dataclass(frozen=True, slots=True)
 class GraphKey:
     phase: str
-    #: Paddle-managed graph inside the dy2st partial programs (``static.py``), else a stream
+    #: Paddle-managed graph inside the dy2st partial programs (``dy2st.py``), else a stream
     #: capture of the dygraph runnable by the plugin's runtime.
     static: bool
     #: The captured size in tokens.

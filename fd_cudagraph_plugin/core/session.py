@@ -40,7 +40,7 @@ from fd_cudagraph_plugin.core.text import human_bytes
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 
-class Member(Participant, Protocol):
+class SessionBackend(Participant, Protocol):
     """What a session asks of each backend taking part in it."""
 
     layer: Any
@@ -154,7 +154,7 @@ class CaptureSession:
         self._link = link
         self.agreement: Agreement | None = None
         self.report: CaptureReport | None = None
-        self.members: list[Member] = []
+        self.members: list[SessionBackend] = []
         self._plan_checked = False
         #: Sizes each member warms in this session, agreed at the plan point.
         self._to_warm: dict[int, dict[str, set[int]]] = {}
@@ -190,7 +190,7 @@ class CaptureSession:
         self.report.setup_seconds = time.perf_counter() - self._started
         return self
 
-    def join(self, member: Member) -> None:
+    def join(self, member: SessionBackend) -> None:
         """``member`` takes part in this session (it existed at the start, or was built in it)."""
         if member in self.members:
             return
@@ -202,7 +202,7 @@ class CaptureSession:
         self.members.append(member)
         member.join_session(self, role)
 
-    def before_capture(self, member: Member) -> None:
+    def before_capture(self, member: SessionBackend) -> None:
         """Called by each capture. Where the backends were built inside the capture loop (no
         profile run), none existed at ``__enter__``: the plan is agreed again, with them."""
         if not self._plan_checked:
@@ -210,7 +210,7 @@ class CaptureSession:
         if self._device_before is None:  # before the first warm-up: it counts too
             self._device_before = member.runtime.device_memory()
 
-    def warmups_for(self, member: Member, key: GraphKey) -> int:
+    def warmups_for(self, member: SessionBackend, key: GraphKey) -> int:
         """The warm-ups ``key`` gets in this session: FastDeploy's configured count where any
         rank has not warmed it in this process, else one (``warmups.py`` says why one)."""
         configured = member.settings.num_warmups
@@ -251,7 +251,9 @@ class CaptureSession:
             )
         self._to_warm = warmups.agreed([e["unwarmed"] for e in everyone], len(self.members))
 
-    def record(self, member: Member, key: GraphKey, seconds: float, nbytes: int, warmed: int):
+    def record(
+        self, member: SessionBackend, key: GraphKey, seconds: float, nbytes: int, warmed: int
+    ) -> None:
         """One graph captured: report it."""
         record = CaptureRecord(
             backend=f"{id(member):#x}",

@@ -1,0 +1,254 @@
+"""The agreement channel's wire: frames, their limits, and what a valid message is.
+
+A message is a JSON object in a frame (a 4-byte big-endian length, then the body). Every field a
+peer sends is checked here before anyone reads it (``check_status``, ``check_outcome``): a message
+that is not what the protocol allows is a ``BadMessage``, and costs only the connection it came on
+(``channel.py``). A rank's own status that the channel would refuse (too large, not JSON) becomes
+that rank's failure (``post_frame``), so every rank stops on it with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL = 2
+_HEADER = struct.Struct("!I")
+#: A hello is small; anything longer is not one of ours.
+MAX_HELLO_BYTES = 256
+#: The largest post: the plan point's status of a worker with a target and an MTP draft backend
+#: and every list at FastDeploy's limits is under 6 KiB (``tests/test_channel.py`` measures it;
+#: long lists are digested, ``fingerprint.compact``).
+MAX_POST_BYTES = 16 << 10
+MAX_LABEL = 200
+MAX_TEXT = 2000
+#: Keys of a point: (session epoch, point number), each below this.
+MAX_KEY = 1 << 31
+
+
+def max_reply_bytes(world: int) -> int:
+    """An outcome holds every rank's post."""
+    return world * (MAX_POST_BYTES + 2 * MAX_LABEL) + 4096
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What every rank learns at one agreement point."""
+
+    label: str
+    #: Each rank's posted status (None for "ok"), by rank; ranks that never posted are absent.
+    statuses: dict[int, dict[str, Any] | None]
+    #: Ranks that did not post: empty when the point completed.
+    missing: tuple[int, ...] = ()
+    #: Of ``missing``: ranks whose connection dropped (their process exited).
+    lost: tuple[int, ...] = ()
+    #: Seconds this rank waited, when the point was abandoned; 0 otherwise.
+    waited: float = 0.0
+    #: The label each rank posted with, by rank.
+    labels: dict[int, str] = field(default_factory=dict)
+    #: Ranks whose give-up (their FD_CUDAGRAPH_RANK_TIMEOUT ran out) abandoned the point.
+    gave_up: tuple[int, ...] = ()
+    #: Set when the channel itself failed: the server stopped, did not answer, or sent garbage.
+    channel_failure: str = ""
+    #: Of ``lost``: ranks the server dropped for what they sent, with why.
+    dropped: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.gave_up and not self.channel_failure
+
+    @property
+    def failures(self) -> dict[int, dict[str, Any]]:
+        """The failures posted, by rank (a status ``{"failure": {...}}``)."""
+        return {
+            rank: status["failure"]
+            for rank, status in sorted(self.statuses.items())
+            if status and "failure" in status
+        }
+
+    def shared(self) -> list[Any]:
+        """Each rank's payload (a status ``{"payload": ...}``), in rank order."""
+        return [(self.statuses.get(r) or {}).get("payload") for r in sorted(self.statuses)]
+
+
+class BadMessage(ValueError):
+    """A message that is not what the protocol allows: its connection is dropped."""
+
+
+def _int(value: Any, name: str, low: int = 0, high: int = MAX_KEY) -> int:
+    if type(value) is not int or not low <= value < high:
+        raise BadMessage(f"{name} must be an integer in [{low}, {high})")
+    return value
+
+
+def text_field(value: Any, name: str, limit: int = MAX_TEXT) -> str:
+    if type(value) is not str or len(value) > limit:
+        raise BadMessage(f"{name} must be a string of at most {limit} characters")
+    return value
+
+
+def parse_key(value: Any) -> tuple[int, int]:
+    if type(value) is not list or len(value) != 2:
+        raise BadMessage("key must be [epoch, point]")
+    return _int(value[0], "key[0]"), _int(value[1], "key[1]")
+
+
+_FAILURE_FIELDS = {
+    "rank": int,
+    "stage": str,
+    "where": str,
+    "mode": str,
+    "error": str,
+    "out_of_memory": bool,
+    "explained": bool,
+}
+_MEMORY_FIELDS = {
+    "captured_bytes": (int,),
+    "graphs_done": (int,),
+    "graphs_planned": (int,),
+    "free": (int, type(None)),
+    "total": (int, type(None)),
+    "utilization": (float, int, type(None)),
+    "kv_reserve": (str,),
+}
+
+
+def check_status(status: Any, world: int) -> dict[str, Any] | None:
+    """A posted status: None, ``{"payload": <JSON>}`` or ``{"failure": {...}}`` with exactly
+    the fields ``agreement.py`` writes. Payloads are checked by the point that reads them."""
+    if status is None:
+        return None
+    if type(status) is not dict or len(status) != 1:
+        raise BadMessage("status must be null, {payload} or {failure}")
+    if "payload" in status:
+        return status
+    failure = status.get("failure")
+    if type(failure) is not dict or not set(_FAILURE_FIELDS) <= set(failure) <= {
+        *_FAILURE_FIELDS,
+        "memory",
+    }:
+        raise BadMessage("failure must have exactly the fields " + ", ".join(_FAILURE_FIELDS))
+    for name, kind in _FAILURE_FIELDS.items():
+        if type(failure[name]) is not kind:
+            raise BadMessage(f"failure.{name} must be {kind.__name__}")
+        if kind is str:
+            text_field(failure[name], f"failure.{name}")
+    _int(failure["rank"], "failure.rank", 0, world)
+    memory = failure.get("memory")
+    if memory is not None:
+        if type(memory) is not dict or set(memory) != set(_MEMORY_FIELDS):
+            raise BadMessage("failure.memory has the wrong fields")
+        for name, kinds in _MEMORY_FIELDS.items():
+            value = memory[name]
+            if type(value) not in kinds or (type(value) in (int, float) and not _sane(value)):
+                raise BadMessage(f"failure.memory.{name} is out of range")
+            if type(value) is str:
+                text_field(value, f"failure.memory.{name}", MAX_LABEL)
+    return status
+
+
+def malformed_status(rank: int, label: str, why: str) -> dict[str, Any]:
+    return {
+        "failure": {
+            "rank": rank,
+            "stage": "agreement",
+            "where": "",
+            "mode": "the agreement channel",
+            "error": f"MalformedStatus: rank {rank} posted a status at '{label}' that the "
+            f"channel does not accept ({why}); every rank must run the same fd-cudagraph-plugin",
+            "out_of_memory": False,
+            "explained": True,
+        }
+    }
+
+
+def _sane(value: float) -> bool:
+    return math.isfinite(value) and 0 <= value < 1 << 60
+
+
+def check_outcome(message: dict[str, Any], world: int) -> Outcome:
+    """A reply of the server, checked as strictly as the server checks posts."""
+    ranks = range(world)
+
+    def rank_list(name: str) -> tuple[int, ...]:
+        value = message.get(name)
+        if type(value) is not list or any(type(r) is not int or r not in ranks for r in value):
+            raise BadMessage(f"outcome.{name} must be a list of ranks")
+        return tuple(value)
+
+    statuses, labels, dropped = (
+        message.get("statuses"),
+        message.get("labels"),
+        message.get("dropped"),
+    )
+    if type(statuses) is not dict or type(labels) is not dict or type(dropped) is not dict:
+        raise BadMessage("outcome.statuses, labels and dropped must be objects")
+    by_rank: dict[int, Any] = {}
+    for raw, status in statuses.items():
+        if not raw.isdigit() or int(raw) not in ranks:
+            raise BadMessage("outcome.statuses must be keyed by rank")
+        by_rank[int(raw)] = check_status(status, world)
+    label_of = {}
+    for raw, label in labels.items():
+        if not raw.isdigit() or int(raw) not in ranks:
+            raise BadMessage("outcome.labels must be keyed by rank")
+        label_of[int(raw)] = text_field(label, "label", MAX_LABEL)
+    why_dropped = {}
+    for raw, why in dropped.items():
+        if not raw.isdigit() or int(raw) not in ranks:
+            raise BadMessage("outcome.dropped must be keyed by rank")
+        why_dropped[int(raw)] = text_field(why, "dropped", MAX_LABEL)
+    return Outcome(
+        label="",
+        statuses=by_rank,
+        missing=rank_list("missing"),
+        lost=rank_list("lost"),
+        labels=label_of,
+        gave_up=rank_list("gave_up"),
+        dropped=why_dropped,
+    )
+
+
+def frame(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def take_frame(buffer: bytearray, cap: int) -> Any:
+    """The message at the front of ``buffer`` (consumed), or ``INCOMPLETE``; BadMessage for a
+    frame longer than ``cap`` or a body that is not JSON."""
+    if len(buffer) < _HEADER.size:
+        return INCOMPLETE
+    (size,) = _HEADER.unpack_from(buffer)
+    if size > cap:
+        raise BadMessage(f"a frame of {size} bytes (at most {cap})")
+    if len(buffer) < _HEADER.size + size:
+        return INCOMPLETE
+    body = bytes(buffer[_HEADER.size : _HEADER.size + size])
+    del buffer[: _HEADER.size + size]
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise BadMessage(f"not JSON ({type(error).__name__})") from None
+
+
+INCOMPLETE = object()
+
+
+def post_frame(key: list[int], label: str, status: Any, rank: int) -> bytes:
+    """A post's frame. A status the channel would refuse (too large, not JSON) becomes this
+    rank's failure, so that every rank stops on it with the reason."""
+    label = label[:MAX_LABEL]
+    try:
+        framed = frame({"op": "post", "key": key, "label": label, "status": status})
+    except (TypeError, ValueError) as error:
+        why = f"it is not JSON ({type(error).__name__}: {error})"
+    else:
+        if len(framed) - _HEADER.size <= MAX_POST_BYTES:
+            return framed
+        why = f"it is {len(framed) - _HEADER.size} bytes, over the channel's {MAX_POST_BYTES}"
+    failure = malformed_status(rank, label, why)
+    return frame({"op": "post", "key": key, "label": label, "status": failure})
