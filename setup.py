@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="fd-cudagraph-plugin",
-    version="0.3.0",
+    version="0.4.0",
     description="A faster, leaner CUDA-graph backend for FastDeploy 2.x, loaded as a plugin",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

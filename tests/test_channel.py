@@ -585,16 +585,23 @@ def test_seeded_random_frames_from_strangers_and_a_rank_cost_only_their_connecti
 # ------------------------------------------------------------------------------ the frame cap
 
 
-def test_the_largest_real_post_fits_the_frame_cap_with_room():
-    """The plan point of a worker with a target and an MTP draft, 36 sizes and FastDeploy's
-    largest real_bsz map, as 8 ranks post it: every post well under the cap."""
+@pytest.mark.parametrize(
+    ("sizes", "prefill", "most"),
+    [
+        ([1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)][:36], [], 2 << 10),
+        (list(range(1, 513)), list(range(1, 513)), 10 << 10),  # FastDeploy's limits
+    ],
+    ids=["36 sizes", "512 sizes in both phases"],
+)
+def test_the_largest_real_post_fits_the_frame_cap(sizes, prefill, most):
+    """The plan point of a worker with a target and an MTP draft, FastDeploy's largest
+    real_bsz map and every size unwarmed, as 8 ranks post it."""
     from fd_cudagraph_plugin.core import fingerprint
 
-    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)][:36]
     backend = {
         "capture_sizes": sorted(sizes, reverse=True),
-        "prefill_sizes": [],
-        "mode": "dynamic",
+        "prefill_sizes": sorted(prefill, reverse=True),
+        "mode": "static_split" if prefill else "dynamic",
         "only_prefill": False,
         "warmups": 2,
         "speculative_method": "mtp",
@@ -610,14 +617,13 @@ def test_the_largest_real_post_fits_the_frame_cap_with_room():
         "backends": 2,
         **fingerprint.backends_plan([backend, backend]),
     }
-    unwarmed = [{"decode": sizes, "prefill": []}] * 2
+    unwarmed = [{"decode": sizes, "prefill": prefill}] * 2
     status = {"payload": {"plan": plan, "unwarmed": unwarmed}}
     post = wire.post_frame([0, 0], "plan", status, 7)
     size = len(post) - 4
-    assert size < wire.MAX_POST_BYTES // 2, size
+    assert size < most <= wire.MAX_POST_BYTES, size
     assert "failure" not in json.loads(post[4:])["status"]
-    # An outcome of 8 ranks of it fits the client's cap.
-    assert 8 * size < wire.max_reply_bytes(8)
+    assert 8 * size < wire.max_reply_bytes(8)  # an outcome of 8 ranks of it
 
 
 def test_a_status_too_large_for_the_channel_becomes_this_ranks_failure(group):

@@ -17,7 +17,7 @@ from fastdeploy.model_executor.graph_optimization import (
 from fastdeploy.plugins import model_register
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
-from fd_cudagraph_plugin import plugin
+from fd_cudagraph_plugin import __version__, plugin
 from fd_cudagraph_plugin.core import process
 from fd_cudagraph_plugin.core import seam as fastdeploy_seam
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
@@ -136,7 +136,7 @@ def test_records_reach_fastdeploys_log_handlers(monkeypatch, sim):
         plugin.register()
         forwarding = [h for h in ours.handlers if isinstance(h, fastdeploy_seam._ToFastDeploy)]
         assert len(forwarding) == 1
-        assert any("fd-cudagraph-plugin 0.3.0 active" in m for m in records)
+        assert any(f"fd-cudagraph-plugin {__version__} active" in m for m in records)
     finally:
         for handler in [h for h in ours.handlers if isinstance(h, fastdeploy_seam._ToFastDeploy)]:
             ours.removeHandler(handler)

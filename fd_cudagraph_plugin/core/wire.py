@@ -19,9 +19,10 @@ PROTOCOL = 2
 _HEADER = struct.Struct("!I")
 #: A hello is small; anything longer is not one of ours.
 MAX_HELLO_BYTES = 256
-#: The largest post: the plan point's status of a worker with a target and an MTP draft backend
-#: and every list at FastDeploy's limits is under 6 KiB (``tests/test_channel.py`` measures it;
-#: long lists are digested, ``fingerprint.compact``).
+#: The largest post: the plan point's status. 1.3 KiB for a target and an MTP draft with 36 sizes;
+#: 8.5 KiB at FastDeploy's limits (512 sizes in both phases of two backends, every size unwarmed).
+#: Lists over 64 entries travel as a digest (``fingerprint.compact``); ``tests/test_channel.py``
+#: measures both.
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
 MAX_TEXT = 2000
