@@ -83,8 +83,9 @@ class CudaGraphBackend:
         self.capturer = Capturer(
             settings, self.runtime, pool_policy(settings), self._static, self.process.outputs
         )
-        #: Static full mode: do Paddle's graphs decode (True) or the plugin's (False)? Agreed by
-        #: every rank at the first decode capture (``_decide_static_decode``); None until then.
+        #: Who captures decode graphs: Paddle inside its static program (True) or the plugin from
+        #: the dygraph model (False). Known from the mode except in static full mode, where every
+        #: rank agrees it at the first decode capture (``_decide_static_decode``): None until then.
         self.static_decode: bool | None = (
             True if settings.static_2_4 else None if settings.static_full else False
         )
@@ -222,8 +223,9 @@ class CudaGraphBackend:
             points = session.agreement
             warmups, ordered = session.warmups_for(self, entry.key), session.ordered
         if entry.phase == DECODE and self.settings.static_full and self.static_decode is None:
-            self._decide_static_decode(kwargs, points)
-            return self._general(kwargs, kwargs["forward_meta"], tokens)
+            self._decide_static_decode(kwargs, points)  # the decode entries are built anew
+            step = self.dispatcher.route(kwargs["forward_meta"], tokens)
+            entry = self.entries.entry(step.key)
         runnable = self.runnable if entry.key.static else self.dy_runnable
         captured = self.capturer.capture(
             self, entry.key, runnable, kwargs, points, warmups=warmups, ordered=ordered
