@@ -113,6 +113,16 @@ def healthy(group: Group, label: str = "after") -> None:
     assert group.server.is_alive() and group.server.failure is None
 
 
+def rogue_third_rank() -> tuple[Group, socket.socket]:
+    """A group of 3 where ranks 0 and 1 are honest and rank 2, welcomed, is a raw socket."""
+    group = Group(3, joined=2)
+    rogue = socket.create_connection(group.address())
+    token = group.published["token"]
+    rogue.sendall(frame({"op": "hello", "rank": 2, "protocol": 2, "token": token}))
+    assert read_reply(rogue) == {"op": "welcome"}
+    return group, rogue
+
+
 def frame(message) -> bytes:
     body = json.dumps(message).encode()
     return struct.pack("!I", len(body)) + body
@@ -429,11 +439,7 @@ def test_an_oversized_frame_is_dropped_at_its_header_not_when_its_hello_is_due(g
 
 
 def test_a_rank_announcing_an_oversized_frame_is_dropped_at_once_and_named():
-    group = Group(3, joined=2)
-    rogue = socket.create_connection(group.address())
-    token = group.published["token"]
-    rogue.sendall(frame({"op": "hello", "rank": 2, "protocol": 2, "token": token}))
-    assert read_reply(rogue) == {"op": "welcome"}
+    group, rogue = rogue_third_rank()
     rogue.sendall(struct.pack("!I", 1 << 30))  # then nothing: the server must not wait for it
     outcomes, took = group.point("plan")
     assert took < QUICK
@@ -515,11 +521,7 @@ def test_an_accept_error_never_stops_the_server_accepting(group, monkeypatch):
     ],
 )
 def test_a_rank_that_sends_a_malformed_message_is_dropped_and_named(message):
-    group = Group(3, joined=2)
-    rogue = socket.create_connection(group.address())
-    token = group.published["token"]
-    rogue.sendall(frame({"op": "hello", "rank": 2, "protocol": 2, "token": token}))
-    assert read_reply(rogue) == {"op": "welcome"}
+    group, rogue = rogue_third_rank()
     rogue.sendall(frame(message))
     outcomes, took = group.point("plan")
     assert took < QUICK and group.server.is_alive()
@@ -541,11 +543,7 @@ def test_a_rank_that_sends_a_malformed_message_is_dropped_and_named(message):
     ],
 )
 def test_a_forged_status_becomes_the_same_clear_error_on_every_rank(status):
-    group = Group(3, joined=2)
-    rogue = socket.create_connection(group.address())
-    token = group.published["token"]
-    rogue.sendall(frame({"op": "hello", "rank": 2, "protocol": 2, "token": token}))
-    assert read_reply(rogue) == {"op": "welcome"}
+    group, rogue = rogue_third_rank()
     rogue.sendall(frame({"op": "post", "key": [0, 0], "label": "plan", "status": status}))
     outcomes, took = group.point("plan")
     assert took < QUICK

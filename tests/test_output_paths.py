@@ -153,6 +153,17 @@ def test_writable_output_paths_pass_and_nothing_is_left_behind(tmp_path, option,
     assert list(tmp_path.iterdir()) == []
 
 
+def _served_three_sizes() -> CudaGraphBackend:
+    """A backend that captured 4, 2 and 1 and served a step of 3."""
+    model = TinyBackbone()
+    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
+    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+    buffers = Buffers()
+    for size in (4, 2, 1, 3):
+        backend(**buffers.step(size))
+    return backend
+
+
 def test_a_path_doctor_finds_unwritable_passes_register_and_its_writes_are_counted(
     sim, monkeypatch, caplog, failures
 ):
@@ -160,12 +171,7 @@ def test_a_path_doctor_finds_unwritable_passes_register_and_its_writes_are_count
     # says yes to root under /proc, so the first write fails, is counted, and serving goes on.
     monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", "/proc/x.json")
     plugin.register()
-    model = TinyBackbone()
-    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
-    buffers = Buffers()
-    for size in (4, 2, 1, 3):
-        backend(**buffers.step(size))
+    backend = _served_three_sizes()
     backend.flush_stats()
     assert failures["FD_CUDAGRAPH_STATS_FILE"] == 1 and sim.live_graphs == 3
 
@@ -181,12 +187,7 @@ def test_a_stats_file_that_is_no_regular_file_is_logged_once_and_clear_graph_sti
         os.mkfifo(special)
     monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", special)
     plugin.register()
-    model = TinyBackbone()
-    config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
-    backend = CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
-    buffers = Buffers()
-    for size in (4, 2, 1, 3):
-        backend(**buffers.step(size))
+    backend = _served_three_sizes()
     assert sim.live_graphs == 3
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
         backend.flush_stats()
