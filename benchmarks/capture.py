@@ -3,10 +3,17 @@
 CPU and repeatable. The model's eager forward has a fixed cost (``--eager-ms``, a sleep), graphs
 are no-ops to replay, and FastDeploy's own ``capture_model()`` loop (the stand-in runner under
 ``tests/fastdeploy_stub``) drives both backends, so the difference is what each backend runs
-eagerly per size: warm-ups, the captured run, and the replay that ends a capture.
+eagerly per size: warm-ups, the captured run, and the replay that ends a capture. Each size's
+dummy run also runs one eager prefill step, outside either backend.
 
+``--recapture`` times a second ``capture_model()`` after ``clear_graph()`` on the target, as
+FastDeploy recaptures after an RL weight update or a wake-up: FastDeploy's backend warms every
+size up again in full, the plugin once per size it captured before (core/warmups.py). It prints
+the warm-ups per size each backend ran (forwards through the backend, less the captured one;
+for the plugin also its ``capture_report``) and the median of the per-round ratios plugin /
+FastDeploy.
 
-    python benchmarks/capture.py \
+    python benchmarks/capture.py [--recapture] \
         --fastdeploy-backend PATH/TO/cudagraph_piecewise_backend.py
 """
 
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +52,15 @@ class Timing(NamedTuple):
     setup: float
     sizes: int
     graphs: int
+    #: Forwards through the backend per size, less the captured one.
+    warmups: float
+    #: The warm-ups per graph in the plugin's capture_report (None for FastDeploy's backend).
+    reported_warmups: tuple[int, ...] | None
+
+    @property
+    def per_size(self) -> float:
+        """Seconds per size, without the session's one-off setup."""
+        return (self.seconds - self.setup) / self.sizes
 
 
 @support_graph_optimization
@@ -69,8 +86,8 @@ class NoopCudaGraph:
         pass
 
 
-def time_capture(backend_class, max_num_seqs: int) -> Timing:
-    """One ``capture_model()``: its seconds, the one-off session setup, sizes and graphs."""
+def time_capture(backend_class, max_num_seqs: int, recapture: bool = False) -> list[Timing]:
+    """One ``capture_model()`` and, with ``recapture``, ``clear_graph()`` and a second one."""
     graph_optimization_backend.CudaGraphPiecewiseBackend = backend_class
     # A fresh worker before the model is built: each backend belongs to the worker it was built
     # in, and one built before the reset never joins the session capture_model() opens (it then
@@ -79,16 +96,42 @@ def time_capture(backend_class, max_num_seqs: int) -> Timing:
     config = make_config(max_num_seqs)
     model = FixedCostBackbone(fd_config=config)
     runner = GPUModelRunner(config, model)
-    runner.profile_run()
+    runner.profile_run()  # builds the backend (GraphOptBackend makes it at its first call)
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    forwards = count_forwards(backend)
+    timings = [timed_capture(runner, backend, forwards)]
+    if recapture:
+        runner.clear_graph_opt_backend()  # clear_graph() on the target, as FastDeploy calls it
+        timings.append(timed_capture(runner, backend, forwards))
+    hooks.uninstall()  # after every capture: the plugin's session wraps capture_model()
+    return timings
+
+
+def count_forwards(backend) -> list[int]:
+    """Count the calls the backend makes of ``dy_runnable`` (its warm-ups and captured runs):
+    both backends take the model from there at capture time."""
+    count = [0]
+    forward = backend.dy_runnable
+
+    def counted(**kwargs):
+        count[0] += 1
+        return forward(**kwargs)
+
+    backend.dy_runnable = counted
+    return count
+
+
+def timed_capture(runner, backend, forwards: list[int]) -> Timing:
+    forwards[0] = 0
     started = time.perf_counter()
     runner.capture_model()
     elapsed = time.perf_counter() - started
-    hooks.uninstall()
-    backend = model.graph_opt_backend.cudagraph_piecewise_backend
     report = getattr(backend, "capture_report", None)
     setup = report.setup_seconds if report is not None else 0.0
-    sizes = len(config.graph_opt_config.cudagraph_capture_sizes)
-    return Timing(elapsed, setup, sizes, captured_graphs(backend))
+    reported = None if report is None else tuple(sorted({r.warmups for r in report.records}))
+    sizes = len(runner.fd_config.graph_opt_config.cudagraph_capture_sizes)
+    graphs = captured_graphs(backend)
+    return Timing(elapsed, setup, sizes, graphs, forwards[0] / sizes - 1, reported)
 
 
 def captured_graphs(backend) -> int:
@@ -108,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--eager-ms", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians shown")
+    parser.add_argument(
+        "--recapture", action="store_true", help="also clear_graph() + capture_model() again"
+    )
     args = parser.parse_args(argv)
     EAGER_SECONDS = args.eager_ms / 1e3
 
@@ -121,25 +167,26 @@ def main(argv: list[str] | None = None) -> int:
         paddle.device.synchronize = lambda *a, **k: None  # CPU Paddle refuses; a GPU would wait
         backends["FastDeploy backend"] = native.CudaGraphPiecewiseBackend
     backends["fd-cudagraph-plugin"] = CudaGraphBackend
-    # Interleaved rounds, medians: load that comes and goes hits both alike.
-    timings: dict[str, list[Timing]] = {name: [] for name in backends}
-    for _ in range(args.rounds):
-        for name, cls in backends.items():
-            timings[name].append(time_capture(cls, args.max_num_seqs))
+    # Interleaved rounds, the order reversed on odd ones, medians: load that comes and goes
+    # hits both alike. timings[name][round] is [first capture] or [first, recapture].
+    timings: dict[str, list[list[Timing]]] = {name: [] for name in backends}
+    for round_ in range(args.rounds):
+        order = list(backends) if round_ % 2 == 0 else list(reversed(backends))
+        for name in order:
+            timings[name].append(time_capture(backends[name], args.max_num_seqs, args.recapture))
     # A backend that captured fewer graphs than sizes ran them eagerly: its time per size would
     # be of eager runs, not of captures, so no figure is printed for it.
     short = [
         f"{name} captured {run.graphs} of {run.sizes} sizes"
-        for name, runs in timings.items()
+        for name, rounds in timings.items()
+        for runs in rounds
         for run in runs
         if run.graphs != run.sizes
     ]
     if short:
         print(f"capture.py: {short[0]}; no timing printed.", file=sys.stderr)
         return 1
-    rows = [(name, sorted(runs)[len(runs) // 2]) for name, runs in timings.items()]
-
-    first = rows[0][1]
+    first = timings[next(iter(backends))][0][0]
     print(
         f"capture_model() over {first.sizes} sizes (max_num_seqs={args.max_num_seqs}), "
         f"eager forward {args.eager_ms:g} ms, 2 warm-ups per size (FastDeploy's default); every "
@@ -147,14 +194,48 @@ def main(argv: list[str] | None = None) -> int:
         f"Median of {args.rounds} interleaved rounds. Per size excludes the session's one-off "
         f"setup (the plan agreement), shown apart."
     )
-    reference = (first.seconds - first.setup) / first.sizes
+    print_section(timings, 0)
+    if args.recapture:
+        print(
+            "clear_graph() on the target, then capture_model() again (recapture, as after an RL "
+            "weight update or a wake-up):"
+        )
+        print_section(timings, 1)
+        plugin, fastdeploy = "fd-cudagraph-plugin", "FastDeploy backend"
+        if fastdeploy in timings:
+            ratios = [
+                statistics.median(
+                    p[i].per_size / f[i].per_size
+                    for p, f in zip(timings[plugin], timings[fastdeploy], strict=True)
+                )
+                for i in (0, 1)
+            ]
+            print(
+                f"plugin / FastDeploy per size (median of per-round ratios): first capture "
+                f"{ratios[0]:.2f}, recapture {ratios[1]:.2f}"
+            )
+    return 0
+
+
+def print_section(timings: dict[str, list[list[Timing]]], index: int) -> None:
+    """One row per backend: the median round of capture ``index`` (0 first, 1 recapture)."""
+    rows = [
+        (name, sorted(runs[index] for runs in rounds)[len(rounds) // 2])
+        for name, rounds in timings.items()
+    ]
+    reference_name, reference = rows[0][0], rows[0][1].per_size
     for name, run in rows:
-        per_size = (run.seconds - run.setup) / run.sizes
+        reported = (
+            ""
+            if run.reported_warmups is None
+            else f" (its report: {', '.join(map(str, run.reported_warmups))})"
+        )
+        each = "warm-up" if run.warmups == 1 else "warm-ups"
         print(
             f"  {name:44s} total {run.seconds * 1e3:6.1f} ms (setup {run.setup * 1e3:4.1f} ms)  "
-            f"{per_size * 1e3:6.2f} ms/size  x{reference / per_size:.2f} vs {rows[0][0]}"
+            f"{run.per_size * 1e3:6.2f} ms/size  x{reference / run.per_size:.2f} vs "
+            f"{reference_name}  {run.warmups:g} {each}/size{reported}"
         )
-    return 0
 
 
 if __name__ == "__main__":

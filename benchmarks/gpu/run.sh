@@ -1,6 +1,6 @@
 #!/bin/bash
 # fd-cudagraph-plugin on a real GPU through a torch stand-in for Paddle (benchmarks/gpu/README.md).
-# usage, from the project root: bash benchmarks/gpu/run.sh PART...  (setup main pair ctime dispatch fail budget)
+# usage, from the project root: bash benchmarks/gpu/run.sh PART...  (setup main pair ctime dispatch fail budget recapture)
 # FastDeploy's backend: FD_HARNESS_FASTDEPLOY_BACKEND=PATH/cudagraph_piecewise_backend.py; unset: skipped.
 # Output in $OUT (or /tmp/fdcg_out), rewritten by each call: results.jsonl, summary.txt, stderr.log.
 set -u
@@ -9,7 +9,7 @@ ROOT=$(cd "${FD_HARNESS_REPO:-$HERE/../..}" && pwd)  # the plugin source: the pr
 O=${OUT:-/tmp/fdcg_out}
 PY=${PYTHON:-python3}
 if [ $# -eq 0 ]; then sed -n '2,5p' "$0"; exit 2; fi
-PARTS="setup main pair ctime dispatch fail budget"
+PARTS="setup main pair ctime dispatch fail budget recapture"
 # Every part is checked before any runs (or the output is truncated): a typo at the end of a
 # long list must not cost the runs before it, nor end in exit 0 with nothing run.
 for part in "$@"; do
@@ -92,6 +92,9 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
     ;;
   budget)
     run bench_budget.py budget
+    ;;
+  recapture)
+    run bench_recapture.py recapture --rounds 5
     ;;
   esac
   echo "== $part: $((SECONDS - t0)) s"

@@ -95,12 +95,49 @@ def _ctime_run(j, bits):  # bench_ctime.py
         )
 
 
+def _recapture_run(j, bits):  # bench_recapture.py
+    per = j.get("ms_per_graph") or {}
+    events = ("first", "weight_update", "wake_up")
+    bits.append(
+        "ms/graph "
+        + "; ".join(
+            f"{e} " + " ".join(f"{k}={per[k].get(e)}" for k in per if per[k].get(e) is not None)
+            for e in events
+        )
+    )
+    ratio = j.get("ratio_plugin_over_fd")
+    if isinstance(ratio, dict):
+        bits.append(
+            "plugin/fd "
+            + ", ".join(f"{e} {ratio.get(e)} ({g})" for e, g in (ratio.get("goal") or {}).items())
+            + f": goal {'met' if ratio.get('meets_goal') else 'NOT met'}"
+        )
+    else:
+        bits.append(f"plugin/fd: {short(ratio, 80)}")
+    fwd = j.get("forwards_per_graph") or {}
+    bits.append(
+        "warm-ups/graph (target) "
+        + ", ".join(
+            f"{k} " + "/".join(str(g(fwd, k, e, "target", "eager")) for e in events) for k in fwd
+        )
+        + f"; plugin's report {g(j, 'plugin_report_warmups', 'weight_update')}"
+    )
+    stale = j.get("stale_graphs_after_clear") or {}
+    bits.append(
+        "stale after clear "
+        + ", ".join(f"{k} {max(v.values(), default=None)}" for k, v in stale.items())
+    )
+    bits.append(f"diff vs eager {j.get('max_abs_diff_vs_eager_padded')}")
+
+
 def line(j):
     tag = j.get("tag") or "?"
     errs = len(j.get("errors") or [])
     bits = []
     if j.get("skipped"):
         bits.append("SKIPPED: " + short(j["skipped"], 90))
+    elif "stale_graphs_after_clear" in j:
+        _recapture_run(j, bits)
     elif isinstance(j.get("capture_s"), (int, float)):
         _memory_run(j, bits)
     elif isinstance(j.get("capture_s"), dict):
