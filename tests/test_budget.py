@@ -393,3 +393,17 @@ def test_the_record_is_written_through_a_fresh_file_and_never_through_a_planted_
     with open(path) as handle:
         assert json.load(handle)["format"] == reserve.RECORD_FORMAT
     assert not os.path.islink(path)
+
+
+def test_a_record_that_cannot_be_keyed_or_written_never_fails_the_capture(
+    device, monkeypatch, failures
+):
+    # On the GPU harness the stand-in paddle had no __version__: the record's key raised out of
+    # capture_model() after every graph was captured.
+    def broken() -> str:
+        raise AttributeError("module 'paddle' has no attribute '__version__'")
+
+    monkeypatch.setattr(device, "device_name", broken)
+    backend, _ = start(0.80)
+    backend.check_capture_successful()
+    assert failures["reserve"] == 1

@@ -165,7 +165,13 @@ class KvReserve:
     def after_capture(self, report: CaptureReport, members: list[Any]) -> None:
         """A capture loop's session ended well: record what it took on this rank (``auto``
         reads it at the next start, also after a start with the reserve off), and warn once
-        where the reserve taken was short."""
+        where the reserve taken was short. Never raises: the graphs are captured."""
+        try:
+            self._after_capture(report, members)
+        except Exception:
+            process.current().outputs.failed_here("reserve", "graph-memory record")
+
+    def _after_capture(self, report: CaptureReport, members: list[Any]) -> None:
         mine = report.mine()
         choice = process.current().options.kv_reserve
         if mine is None or not report.records:
@@ -214,7 +220,14 @@ class KvReserve:
 
     def after_failed_capture(self, error: BaseException, members: list[Any]) -> None:
         """A capture ran out of memory with a reserve from the record: that figure was too low,
-        so it is dropped, and the next start measures again instead of failing the same way."""
+        so it is dropped, and the next start measures again instead of failing the same way.
+        Never raises: the capture's own error is what the caller raises."""
+        try:
+            self._after_failed_capture(error, members)
+        except Exception:
+            process.current().outputs.failed_here("reserve", "graph-memory record")
+
+    def _after_failed_capture(self, error: BaseException, members: list[Any]) -> None:
         if not getattr(error, "out_of_memory", False) or self.applied is None:
             return
         keys = self.applied.recorded_keys
@@ -296,7 +309,7 @@ def _paddle_version() -> str:
     except ImportError:
         return ""
     commit = getattr(getattr(paddle, "version", None), "commit", "")
-    return f"{paddle.__version__} {commit}".strip()
+    return f"{getattr(paddle, '__version__', '')} {commit}".strip()
 
 
 class Record:
