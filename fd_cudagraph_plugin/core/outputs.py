@@ -133,7 +133,7 @@ class OutputFailures:
         if self.counts[setting] == 1:
             logger.warning(
                 "%s: cannot write %s (%s: %s); serving goes on without it. Further failures are "
-                "counted in stats without another warning.",
+                "counted (metric fd_cudagraph_output_failures_total) without another warning.",
                 setting,
                 path,
                 type(error).__name__,
