@@ -224,9 +224,9 @@ def test_native_backend_choice_warns():
     assert result.status == WARN and "keeps its own backend" in result.detail
 
 
-def test_unknown_option_warns_with_the_closest_known_name():
+def test_unknown_option_fails_with_the_closest_known_name_as_register_does():
     result = doctor.check_unknown_options({"FD_CUDAGRAPH_BACKNED": "native", "FD_PLUGINS": "x"})
-    assert result.status == WARN
+    assert result.status == FAIL and "register() refuses to start" in result.detail
     assert "FD_CUDAGRAPH_BACKNED (did you mean FD_CUDAGRAPH_BACKEND?)" in result.detail
     assert doctor.check_unknown_options({"FD_CUDAGRAPH_BACKEND": "native"}).status == OK
 

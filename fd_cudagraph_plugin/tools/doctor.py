@@ -369,15 +369,16 @@ def _as_read(env: str, raw: str, value: object) -> str:
 
 
 def check_unknown_options(environ: Mapping[str, str]) -> CheckResult:
-    """A set ``FD_CUDAGRAPH_*`` variable that is no option is most likely a typo."""
+    """A set ``FD_CUDAGRAPH_*`` variable that is no option is most likely a typo; ``register()``
+    stops on it."""
     name = "unknown options"
     hints = unknown_options(environ)
     if not hints:
         return CheckResult(name, OK, f"no unknown {OPTION_PREFIX}* variable is set.")
     return CheckResult(
         name,
-        WARN,
-        f"set but not options of this plugin, so ignored: {', '.join(hints)}.",
+        FAIL,
+        f"set but not options of this plugin, so register() refuses to start: {', '.join(hints)}.",
         "rename or unset them.",
     )
 
