@@ -367,7 +367,7 @@ def test_a_recorded_figure_that_ran_out_of_memory_is_dropped_and_the_next_start_
     with pytest.raises(CaptureError) as raised, caplog.at_level(logging.WARNING):
         start(0.98)
     message = str(raised.value)
-    assert "FD_CUDAGRAPH_KV_RESERVE auto reserved 20.0 MiB was too little" in message
+    assert "(FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB, which was too little" in message
     assert "set FD_CUDAGRAPH_KV_RESERVE=auto" not in message  # it is set
     assert any("that figure is dropped" in r.getMessage() for r in caplog.records)
     restart(device)
@@ -407,3 +407,21 @@ def test_a_record_that_cannot_be_keyed_or_written_never_fails_the_capture(
     backend, _ = start(0.80)
     backend.check_capture_successful()
     assert failures["reserve"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kv_reserve", "says"),
+    [
+        ("off", "set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room"),
+        (
+            "FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB",
+            "which was too little: its recorded figure is dropped",
+        ),
+        ("FD_CUDAGRAPH_KV_RESERVE=2.0 GiB reserved 2.0 GiB", "raise FD_CUDAGRAPH_KV_RESERVE"),
+    ],
+)
+def test_the_out_of_memory_advice_never_asks_for_the_reserve_already_set(kv_reserve, says):
+    advice = budget.oom_advice(40 * MiB, 2, 4, 12 * MiB, 1024 * MiB, 0.95, kv_reserve)
+    assert says in advice
+    if kv_reserve != "off":
+        assert "set FD_CUDAGRAPH_KV_RESERVE=auto" not in advice

@@ -162,11 +162,13 @@ def oom_advice(
         text += " Lower --gpu-memory-utilization,"
     if kv_reserve == "off":
         reserve = " set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room for the graphs,"
-    else:
+    elif "=auto" in kv_reserve:
         reserve = (
-            f" (FD_CUDAGRAPH_KV_RESERVE {kv_reserve} was too little; a recorded figure is "
-            f"dropped, so the next start measures again)"
+            f" ({kv_reserve}, which was too little: its recorded figure is dropped, so the next "
+            f"start measures again)"
         )
+    else:
+        reserve = f" raise FD_CUDAGRAPH_KV_RESERVE ({kv_reserve}, which was too little),"
     return (
         text + reserve + " or trim --max-num-seqs or cudagraph_capture_sizes in "
         "--graph-optimization-config."

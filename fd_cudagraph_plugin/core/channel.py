@@ -537,6 +537,7 @@ class SocketLink:
                 # Dropped before the welcome (a flood of connections evicted it): once more.
                 if time.monotonic() >= deadline:
                     raise JoinError(f"the agreement server dropped this rank: {error}") from None
+                time.sleep(_STORE_POLL_SECONDS)
         return cls(sock, rank, world, server)
 
     def next_epoch(self) -> int:

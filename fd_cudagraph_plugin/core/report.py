@@ -130,7 +130,9 @@ def _kv_reserve() -> str:
     owner = process.current()
     if owner.reserve is not None:
         return owner.reserve.describe()
-    return "off" if owner.options.kv_reserve == "off" else "set (nothing reserved)"
+    return (
+        "off" if owner.options.kv_reserve == "off" else "FD_CUDAGRAPH_KV_RESERVE reserved nothing"
+    )
 
 
 def _seconds(value: float) -> str:

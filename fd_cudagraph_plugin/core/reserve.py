@@ -66,13 +66,13 @@ class KvReserve:
         self._warned = False
 
     def describe(self) -> str:
-        """What the reserve did, for the out-of-memory advice: "off" when nothing was asked."""
+        """What the reserve did, for the out-of-memory advice: "off" when nothing was asked,
+        else e.g. ``FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB``."""
         choice = process.current().options.kv_reserve
         if choice == "off":
             return "off"
-        if self.applied is None:
-            return f"{_choice_text(choice)} (nothing reserved)"
-        return f"{_choice_text(choice)} reserved {human_bytes(self.applied.nbytes)}"
+        taken = human_bytes(self.applied.nbytes) if self.applied is not None else "nothing"
+        return f"FD_CUDAGRAPH_KV_RESERVE={_choice_text(choice)} reserved {taken}"
 
     # -- seam 1: the memory profile
 
@@ -256,7 +256,7 @@ def state() -> KvReserve:
 
 
 def _choice_text(choice: object) -> str:
-    return "auto" if choice == "auto" else f"={human_bytes(int(choice))}"
+    return "auto" if choice == "auto" else human_bytes(int(choice))
 
 
 def _estimate(report: CaptureReport, sizes: list[int], picks: list[int], why: str) -> Reserve:
