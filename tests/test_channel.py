@@ -318,6 +318,7 @@ def test_a_late_reply_is_never_taken_for_the_next_point():
                             "lost": [],
                             "gave_up": [],
                             "dropped": {},
+                            "waited": 0.0,
                         }
                         conn.sendall(frame(outcome))
                     replies += 1
@@ -359,7 +360,7 @@ def test_ranks_at_different_points_stop_naming_both(group):
 
 
 def test_when_the_server_thread_fails_every_rank_says_so_at_its_next_point(group, monkeypatch):
-    def broken(self):
+    def broken(self, now=0.0):
         raise RuntimeError("planted")
 
     monkeypatch.setattr(Decider, "settle", broken)
@@ -464,7 +465,8 @@ def test_a_second_claim_of_a_connected_rank_is_refused_and_the_first_keeps_it(gr
     token = group.published["token"]
     impostor.sendall(frame({"op": "hello", "rank": 1, "protocol": 2, "token": token}))
     reply = read_reply(impostor)
-    assert reply == {"op": "refused", "why": "rank 1 is already connected"}
+    assert reply["op"] == "refused"
+    assert reply["why"].startswith("rank 1 was claimed first by 127.0.0.1:")
     impostor.close()
     healthy(group)  # rank 1 was neither re-pointed nor lost
     healthy(group, "again")
@@ -510,11 +512,13 @@ def test_an_accept_error_never_stops_the_server_accepting(group, monkeypatch):
 @pytest.mark.parametrize(
     "message",
     [
-        {"op": "post", "key": "x", "label": "p", "status": None},
-        {"op": "post", "key": [], "label": "p", "status": None},
-        {"op": "post", "key": [0, "a"], "label": "p", "status": None},
-        {"op": "post", "key": [0, 0], "status": None},
-        {"op": "post", "key": [0, 0], "label": "p"},
+        {"op": "post", "key": "x", "label": "p", "timeout": 5, "status": None},
+        {"op": "post", "key": [], "label": "p", "timeout": 5, "status": None},
+        {"op": "post", "key": [0, "a"], "label": "p", "timeout": 5, "status": None},
+        {"op": "post", "key": [0, 0], "timeout": 5, "status": None},
+        {"op": "post", "key": [0, 0], "label": "p", "timeout": 5},
+        {"op": "post", "key": [0, 0], "label": "p", "status": None},
+        {"op": "post", "key": [0, 0], "label": "p", "timeout": "x", "status": None},
         {"op": "give_up", "key": None},
         {"op": "nonsense", "key": [0, 0]},
         ["a", "list"],
@@ -544,7 +548,8 @@ def test_a_rank_that_sends_a_malformed_message_is_dropped_and_named(message):
 )
 def test_a_forged_status_becomes_the_same_clear_error_on_every_rank(status):
     group, rogue = rogue_third_rank()
-    rogue.sendall(frame({"op": "post", "key": [0, 0], "label": "plan", "status": status}))
+    post = {"op": "post", "key": [0, 0], "label": "plan", "timeout": 5, "status": status}
+    rogue.sendall(frame(post))
     outcomes, took = group.point("plan")
     assert took < QUICK
     texts = {str(agreed_error(o, 3, 5.0)) for o in outcomes}
@@ -617,7 +622,7 @@ def test_the_largest_real_post_fits_the_frame_cap(sizes, prefill, most):
     }
     unwarmed = [{"decode": sizes, "prefill": prefill}] * 2
     status = {"payload": {"plan": plan, "unwarmed": unwarmed}}
-    post = wire.post_frame([0, 0], "plan", status, 7)
+    post = wire.post_frame([0, 0], "plan", status, 7, 300.0)
     size = len(post) - 4
     assert size < most <= wire.MAX_POST_BYTES, size
     assert "failure" not in json.loads(post[4:])["status"]
@@ -656,3 +661,112 @@ def test_the_server_listens_on_loopback_unless_the_group_spans_hosts(
 def test_without_paddles_launcher_the_server_listens_on_loopback(monkeypatch):
     monkeypatch.delenv("PADDLE_CURRENT_ENDPOINT", raising=False)
     assert channel.listen_host([0, 1]) == "127.0.0.1"
+
+
+# ------------------------------------------- what a rank holding the token can send (2nd review)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"payload": NaN}',
+        b'{"payload": Infinity}',
+        b'{"payload": 1e999}',
+        b'{"failure": {"rank": 2, "stage": "s", "where": "", "mode": "", "error": "e", '
+        b'"out_of_memory": true, "explained": false, "memory": {"captured_bytes": '
+        + b"1"
+        * 400
+        + b', "graphs_done": 0, "graphs_planned": 1, "free": null, "total": null, '
+        b'"utilization": null, "kv_reserve": "off"}}}',
+        b'{"payload": ' + b"[" * 100 + b"]" * 100 + b"}",
+    ],
+    ids=["NaN", "Infinity", "1e999", "an int of 400 digits", "100 deep"],
+)
+def test_a_status_that_cannot_be_sent_on_becomes_that_ranks_failure_and_the_server_lives(raw):
+    # Each of these killed the server for good (a NaN or infinity re-encoded in the outcome, an
+    # OverflowError in the range check), or parsed on one rank and not another (deep nesting).
+    group, rogue = rogue_third_rank()
+    body = b'{"op": "post", "key": [0, 0], "label": "plan", "timeout": 5, "status": ' + raw + b"}"
+    rogue.sendall(struct.pack("!I", len(body)) + body)
+    outcomes, took = group.point("plan")
+    assert took < QUICK and group.server.is_alive() and group.server.failure is None
+    texts = {str(agreed_error(o, 3, 5.0)) for o in outcomes}
+    assert len(texts) == 1
+    text = texts.pop()  # NaN and infinities are no JSON: the frame is refused, its rank dropped
+    assert (
+        "rank 2 posted a status at 'plan' that the channel does not accept" in text
+        or "dropped tensor-parallel rank 2 for what it sent (not JSON" in text
+    )
+    group.close()
+
+
+def test_text_is_sent_on_at_the_size_it_came_in():
+    # An outcome re-encoded with ASCII escapes grew a 16 KiB post of emoji to 49 KB, past the
+    # client's cap: the honest rank's link broke, blaming the server.
+    group = Group(2)
+    text = "\U0001f600" * ((wire.MAX_POST_BYTES - 200) // 4)
+    outcomes, took = group.point("plan", statuses={1: {"payload": text}})
+    assert took < QUICK and all(o.complete and o.shared() == [0, text] for o in outcomes)
+    group.close()
+
+
+def test_a_rank_that_opens_points_ahead_of_its_group_is_dropped():
+    # Posting at a new key and giving up, over and over, held every point: 20k points and
+    # 360 MB of rank 0's memory from one connection.
+    group, rogue = rogue_third_rank()
+    for point in range(1, 10):
+        post = {"op": "post", "key": [0, point], "label": "x", "timeout": 5, "status": None}
+        rogue.sendall(frame(post) + frame({"op": "give_up", "key": [0, point]}))
+    assert closed_by_server(rogue)
+    assert len(group.server.decider.points) <= channel.MAX_OPEN_POINTS
+    outcomes, took = group.point("plan")
+    assert took < QUICK and all(2 in o.dropped for o in outcomes)
+    group.close()
+
+
+def test_a_point_a_stranger_abandoned_ahead_of_time_names_it_not_the_ranks_that_came():
+    group, rogue = rogue_third_rank()
+    post = {"op": "post", "key": [0, 0], "label": "plan", "timeout": 5, "status": None}
+    rogue.sendall(frame(post) + frame({"op": "give_up", "key": [0, 0]}))
+    time.sleep(0.2)
+    outcomes, _ = group.point("plan")
+    text = str(agreed_error(outcomes[0], 3, 300.0))
+    assert "when rank 2 stopped waiting for them" in text
+    assert "within 300 s" not in text
+    group.close()
+
+
+def test_a_rank_that_reads_none_of_its_replies_is_named_at_once_not_at_the_timeout():
+    group, rogue = rogue_third_rank()
+    rogue.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    # Posts that each complete at once with a large status, never read by the rogue: its outbox
+    # passes the cap and it is dropped while an outcome is being sent.
+    honest = group.links
+    big = {"payload": "y" * (wire.MAX_POST_BYTES - 300)}
+    started = time.monotonic()
+    for point in range(200):
+        post = {"op": "post", "key": [0, point], "label": "p", "timeout": 30, "status": big}
+        rogue.sendall(frame(post))
+        outcomes, _ = group.point("p", timeouts={0: 30, 1: 30}, statuses={0: big, 1: big})
+        if not outcomes[0].complete:
+            break
+    assert not outcomes[0].complete and 2 in outcomes[0].dropped
+    assert time.monotonic() - started < 20  # named at once, not after the 30 s timeout
+    assert honest and group.server.is_alive()
+    group.close()
+
+
+def test_a_stall_between_the_decision_and_the_send_does_not_split_the_verdict(group, monkeypatch):
+    settle = Decider.settle
+    stalled = []
+
+    def slow_settle(self, now=0.0):
+        sent = settle(self, now)
+        if sent and not stalled:
+            stalled.append(True)
+            time.sleep(1.5)  # this process starved right after deciding
+        return sent
+
+    monkeypatch.setattr(Decider, "settle", slow_settle)
+    outcomes, _ = group.point("capture decode size 8", timeouts={0: 10.0, 1: 1.0})
+    assert not outcomes[0].complete and not outcomes[1].complete

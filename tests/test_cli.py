@@ -113,10 +113,11 @@ def test_ctrl_c_exits_130_without_a_traceback():
     "argv", [["plan"], ["doctor"], ["tune", "-", "--max-graphs", "1"]], ids=lambda a: a[0]
 )
 def test_started_with_stdout_closed_exits_2_with_one_line_and_no_traceback(argv):
-    """``fd-cudagraph plan >&-``: Python has no sys.stdout then; nothing is run or written."""
+    """``fd-cudagraph plan >&-``: Python has no sys.stdout then; the command's result goes nowhere
+    (bad input is said as such: ``test_with_stdout_closed_bad_input_is_said_as_such``)."""
     done = subprocess.run(
         [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
-        stdin=subprocess.DEVNULL,
+        input=b"5\n",
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         preexec_fn=lambda: os.close(1),
@@ -208,3 +209,62 @@ def test_help_and_version_exit_1_when_the_reader_is_gone(argv):
     _, err = reader.communicate(timeout=60)
     assert reader.returncode == 1
     assert b"Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("command", "stdin"),
+    [
+        ("plan --json --max-num-seqs -5", None),
+        ("tune - --max-graphs 2", ""),
+        ("bogus", None),
+    ],
+)
+def test_an_error_with_stderr_closed_never_lands_in_the_output(command, stdin):
+    # Python sets sys.stderr to None when fd 2 is closed, and print(file=None) writes to stdout:
+    # a script reading --json got the error line instead.
+    done = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m fd_cudagraph_plugin {command} 2>&-"],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+
+
+def test_bad_input_exits_2_even_when_its_message_cannot_be_written():
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"{sys.executable} -m fd_cudagraph_plugin plan --max-num-seqs -5 2>/dev/full",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+
+
+def test_with_stdout_closed_bad_input_is_said_as_such():
+    done = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m fd_cudagraph_plugin plan --max-num-seqs -5 >&-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--max-num-seqs must be an integer >= 1; got -5" in done.stderr
+    assert "standard output is closed" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["513", "99999999999999999999"])
+def test_tune_max_graphs_is_bounded_as_its_help_says(value):
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-", "--max-graphs", value],
+        input="5\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "--max-graphs must be at most 512" in done.stderr

@@ -299,3 +299,14 @@ def test_a_removed_value_is_one_message_not_also_an_unknown_value():
     assert result.status == doctor.FAIL
     assert "FD_CUDAGRAPH_POOL=device was removed in fd-cudagraph-plugin 0.3" in result.detail
     assert "not a known value" not in result.detail
+
+
+@pytest.mark.parametrize("special", ["/dev/full", "fifo"])
+def test_doctor_warns_of_an_output_path_that_is_no_regular_file(tmp_path, special):
+    # Before: OK, while every write the plugin then made was refused.
+    if special == "fifo":
+        special = str(tmp_path / "fifo")
+        os.mkfifo(special)
+    result = doctor.check_options({"FD_CUDAGRAPH_STATS_FILE": special})
+    assert result.status == WARN
+    assert f"FD_CUDAGRAPH_STATS_FILE names {special}, which is no regular file" in result.detail

@@ -211,3 +211,19 @@ def test_static_split_without_prefill_graphs_serves_prefill_eagerly_without_a_wa
     assert out.shape[0] == 5 and backend.stats()["eager_fallbacks"] == {"prefill": 1}
     assert backend.expected_entries() == list(backend.entries.decode.values())
     assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("FD_CUDAGRAPH_TIMEOUT", "did you mean FD_CUDAGRAPH_RANK_TIMEOUT?"),
+        ("FD_CUDAGRAPH_SELFCHECK", "did you mean FD_CUDAGRAPH_SELF_CHECK?"),
+        # The prefix alone made every name look close: both were "did you mean ..._POOL?".
+        ("FD_CUDAGRAPH_FOO", "no option is close to it"),
+        ("FD_CUDAGRAPH_", "no option is close to it"),
+    ],
+)
+def test_a_misspelt_option_is_told_the_closest_name_or_that_none_is_close(name, hint):
+    from fd_cudagraph_plugin.core.options import unknown_options
+
+    assert unknown_options({name: "1"}) == [f"{name} ({hint})"]

@@ -169,9 +169,15 @@ def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError |
                 f"'{outcome.label}'. "
             )
         if late:
+            # Said from the server's clock and the ranks that gave up, which every rank reads
+            # alike: true also when a rank gave up early (its own shorter timeout).
+            gave = [r for r in outcome.gave_up if r not in late] or list(outcome.gave_up)
+            who = f"rank{_s(gave)} {_ranks(gave)} stopped waiting for " if gave else ""
             text += (
-                f"Tensor-parallel rank{_s(late)} {_ranks(late)} did not reach the agreement point "
-                f"'{outcome.label}' within {timeout:.0f} s (FD_CUDAGRAPH_RANK_TIMEOUT): "
+                f"Tensor-parallel rank{_s(late)} {_ranks(late)} had not reached the agreement "
+                f"point '{outcome.label}' when {who or 'the others stopped waiting for '}"
+                f"{'it' if len(late) == 1 else 'them'}, after {_seconds(outcome.open_seconds)} "
+                f"(FD_CUDAGRAPH_RANK_TIMEOUT, {_seconds(timeout)} here): "
                 f"{'it' if len(late) == 1 else 'they'} exited, hang, or do not run "
                 f"fd-cudagraph-plugin (set FD_PLUGINS=fd_cudagraph_plugin for every worker). "
             )
@@ -180,8 +186,9 @@ def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError |
         gave = list(outcome.gave_up)
         text += (
             f"Tensor-parallel rank{_s(gave)} {_ranks(gave)} stopped waiting at the agreement "
-            f"point '{outcome.label}' after FD_CUDAGRAPH_RANK_TIMEOUT ({timeout:.0f} s here) just "
-            f"as the last rank arrived: a rank is too slow for the timeout; raise it."
+            f"point '{outcome.label}' after {_seconds(outcome.open_seconds)} "
+            f"(FD_CUDAGRAPH_RANK_TIMEOUT, {_seconds(timeout)} here) just as the last rank arrived: "
+            f"a rank is too slow for the timeout; raise it."
         )
     if world > 1:
         named = sorted({*failures, *missing, *outcome.gave_up})
@@ -200,6 +207,10 @@ def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError |
         missing_ranks=tuple(missing),
         out_of_memory=any(f["out_of_memory"] for f in failures.values()),
     )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.2g} s"
 
 
 def _s(ranks: list[int]) -> str:

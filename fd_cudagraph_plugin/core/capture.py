@@ -204,6 +204,14 @@ class Capturer:
             )
 
     def _dump_dot(self, owner: object, captured: Captured) -> None:
+        if not self.runtime.real_graphs:  # nothing to write: no directory either
+            if not self._dot_unsupported_logged:
+                self._dot_unsupported_logged = True
+                logger.warning(
+                    "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.",
+                    self.runtime.name,
+                )
+            return
         directory = os.path.join(outputs.log_dir(), "GraphDotFiles")
         key = captured.key
         path = os.path.join(directory, f"backend{id(owner):x}_{key.phase}{key.size}")

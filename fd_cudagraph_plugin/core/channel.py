@@ -115,6 +115,8 @@ class LocalLink:
 
 @dataclass
 class _Point:
+    creator: int
+    opened: float
     posts: dict[int, dict[str, Any] | None] = field(default_factory=dict)
     labels: dict[int, str] = field(default_factory=dict)
     gave_up: set[int] = field(default_factory=set)
@@ -122,10 +124,17 @@ class _Point:
     delivered: set[int] = field(default_factory=set)
 
 
+#: Points one rank may hold open (posted first, not yet delivered to every rank). An honest rank
+#: holds one, two across a session's end; more is a rank running ahead of its group.
+MAX_OPEN_POINTS = 2
+
+
 class Decider:
     """The rules of the server, apart from sockets: posts, give-ups and lost ranks in, one outcome
     per point out. Decisions are taken in ``settle()``, at the end of each batch of messages, so a
-    give-up wins over a completion that arrived with it. Not thread-safe: one thread calls it."""
+    give-up wins over a completion that arrived with it; and a point is never completed for a rank
+    whose wait is about to end (its deadline, from the timeout it posted with), so that no rank
+    returns "complete" where another gives up. Not thread-safe: one thread calls it."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -135,18 +144,39 @@ class Decider:
         self.dropped: dict[int, str] = {}
         #: Each rank's point awaiting its outcome: a rank waits at one point at a time.
         self.waiting: dict[int, tuple[int, int]] = {}
+        #: When each waiting rank will give up, by the server's clock.
+        self.deadlines: dict[int, float] = {}
+        #: Each rank's last key: keys only grow.
+        self.latest: dict[int, tuple[int, int]] = {}
         self._touched: set[tuple[int, int]] = set()
 
-    def post(self, rank: int, key: tuple[int, int], label: str, status: Any) -> None:
+    def post(
+        self,
+        rank: int,
+        key: tuple[int, int],
+        label: str,
+        status: Any,
+        now: float = 0.0,
+        timeout: float = float("inf"),
+    ) -> None:
         if rank in self.waiting:
             raise BadMessage(f"rank {rank} posted at {key} while waiting at {self.waiting[rank]}")
-        point = self.points.setdefault(key, _Point())
-        if rank in point.labels:
-            raise BadMessage(f"rank {rank} posted twice at {key}")
+        if key <= self.latest.get(rank, (-1, -1)):
+            raise BadMessage(f"rank {rank} posted at {key} after {self.latest[rank]}")
+        point = self.points.get(key)
+        if point is None:
+            held = sum(1 for p in self.points.values() if p.creator == rank)
+            if held >= MAX_OPEN_POINTS:
+                raise BadMessage(f"rank {rank} opened more points than its group reached")
+            point = self.points[key] = _Point(creator=rank, opened=now)
         point.labels[rank] = label
         if point.outcome is None:
             point.posts[rank] = status
+        self.latest[rank] = key
         self.waiting[rank] = key
+        # The rank sends its give-up ``give_up_margin`` before its deadline; the server stops
+        # completing for it half a margin before that, so a completion reaches it in time.
+        self.deadlines[rank] = now + timeout - 1.5 * give_up_margin(timeout)
         self._touched.add(key)
 
     def give_up(self, rank: int, key: tuple[int, int]) -> None:
@@ -162,7 +192,7 @@ class Decider:
         self.waiting.pop(rank, None)
         self._touched.update(self.points)
 
-    def settle(self) -> list[tuple[int, dict[str, Any]]]:
+    def settle(self, now: float = 0.0) -> list[tuple[int, dict[str, Any]]]:
         """Decide the points this batch touched; return (rank, outcome) messages to send."""
         out = []
         everyone = set(range(self.world))
@@ -172,12 +202,17 @@ class Decider:
                 continue
             if point.outcome is None:
                 missing = everyone - set(point.posts)
+                if not missing and not point.gave_up:
+                    # Every rank posted; one whose wait ends about now may already be giving up.
+                    point.gave_up = {
+                        r for r, k in self.waiting.items() if k == key and self.deadlines[r] <= now
+                    }
                 if point.gave_up or not missing:
-                    point.outcome = self._decide(key, point, missing)
+                    point.outcome = self._decide(key, point, missing, now)
                 elif missing & self.lost:
                     # Decided now, for the ranks that did post: only the lost ones are at fault,
                     # not those still on their way.
-                    point.outcome = self._decide(key, point, missing & self.lost)
+                    point.outcome = self._decide(key, point, missing & self.lost, now)
             if point.outcome is not None:
                 for rank in sorted(r for r, k in self.waiting.items() if k == key):
                     out.append((rank, point.outcome))
@@ -188,7 +223,21 @@ class Decider:
         self._touched.clear()
         return out
 
-    def _decide(self, key: tuple[int, int], point: _Point, missing: set[int]) -> dict[str, Any]:
+    def recheck(self, sent: list[tuple[int, dict[str, Any]]], now: float) -> None:
+        """Turn a completion not yet sent into an abandonment for every rank when one of its
+        recipients is past its deadline: that rank may be giving up now. The outcome is the
+        point's own, so a rank that comes later reads the same."""
+        late: dict[int, list[int]] = {}
+        for rank, outcome in sent:
+            if self.deadlines.get(rank, now) <= now:
+                late.setdefault(id(outcome), []).append(rank)
+        for _, outcome in sent:
+            if id(outcome) in late and not outcome["missing"] and not outcome["gave_up"]:
+                outcome["gave_up"] = sorted(late[id(outcome)])
+
+    def _decide(
+        self, key: tuple[int, int], point: _Point, missing: set[int], now: float
+    ) -> dict[str, Any]:
         return {
             "op": "outcome",
             "key": list(key),
@@ -198,6 +247,7 @@ class Decider:
             "lost": sorted(self.lost & missing),
             "gave_up": sorted(point.gave_up),
             "dropped": {str(r): self.dropped[r] for r in sorted(missing) if r in self.dropped},
+            "waited": round(max(now - point.opened, 0.0), 3),
         }
 
 
@@ -279,10 +329,16 @@ class Server(threading.Thread):
                         raise  # the server's own fault: every rank is told (run)
                     self._drop(connection, f"{type(error).__name__}")
         self._expire_hellos(time.monotonic())
-        for rank, outcome in self.decider.settle():
-            target = self.ranks.get(rank)
-            if target is not None:
-                self._queue(target, frame(outcome))
+        # A rank dropped while its outcome is queued (it read none of its replies) is lost, and
+        # the points it held are decided again at once.
+        while sent := self.decider.settle(time.monotonic()):
+            # Checked again right before sending: a stall since the decision (this process
+            # starved) may have run a rank past its deadline.
+            self.decider.recheck(sent, time.monotonic())
+            for rank, outcome in sent:
+                target = self.ranks.get(rank)
+                if target is not None:
+                    self._queue(target, frame(outcome))
         if self._stopping:
             self._close_all()
 
@@ -300,9 +356,13 @@ class Server(threading.Thread):
         except BlockingIOError:
             return
         except OSError as error:
-            # Out of descriptors (EMFILE) or the like: stop watching the listener for a moment
-            # instead of spinning on it, and never for good.
+            # Out of descriptors (EMFILE) or the like: make room by dropping the oldest
+            # connection without a hello, and stop watching the listener for a moment instead of
+            # spinning on it; never for good.
             self._warn_once("accept", "cannot accept a connection (%s); retrying", error)
+            pending = [c for c in self.connections.values() if c.rank is None]
+            if pending:
+                self._drop(min(pending, key=lambda c: c.opened), "out of descriptors")
             self._accept_paused_until = time.monotonic() + 0.05
             self.selector.unregister(self.listener)
             return
@@ -348,15 +408,18 @@ class Server(threading.Thread):
         key = parse_key(message.get("key"))
         if op == "post":
             label = text_field(message.get("label"), "label", MAX_LABEL)
+            timeout = message.get("timeout")
+            if type(timeout) not in (int, float) or not 0 < timeout <= 86400:
+                raise BadMessage("a post needs its timeout, in seconds")
             if "status" not in message:
                 raise BadMessage("a post needs a status")
             try:
                 status = check_status(message["status"], self.world)
-            except BadMessage as error:
+            except (ValueError, TypeError, OverflowError, RecursionError) as error:
                 # From a rank of the group (it had the token): a failure of that rank, which
                 # every rank reads in the same outcome, never a KeyError on one of them.
-                status = malformed_status(connection.rank, label, str(error))
-            self.decider.post(connection.rank, key, label, status)
+                status = malformed_status(connection.rank, label, str(error)[:MAX_LABEL])
+            self.decider.post(connection.rank, key, label, status, time.monotonic(), timeout)
         elif op == "give_up":
             self.decider.give_up(connection.rank, key)
         else:
@@ -374,12 +437,19 @@ class Server(threading.Thread):
             self._refuse(connection, f"rank {rank!r} is not in 0..{self.world - 1}")
             return
         if rank in self.ranks or rank in self.decider.lost:
+            first = self.ranks[rank].peer if rank in self.ranks else "a connection now closed"
             self._warn_once(
                 f"claim{rank}",
-                "a second connection claimed tensor-parallel rank %d; the first keeps it",
+                "a connection from %s claimed tensor-parallel rank %d, which %s holding the "
+                "job's token claimed first; the first keeps it",
+                connection.peer,
                 rank,
+                first,
             )
-            self._refuse(connection, f"rank {rank} is already connected")
+            self._refuse(
+                connection,
+                f"rank {rank} was claimed first by {first} (a process holding the job's token)",
+            )
             return
         connection.rank = rank
         self.ranks[rank] = connection
@@ -459,10 +529,9 @@ class Server(threading.Thread):
     def _tell_everyone_and_close(self) -> None:
         notice = frame({"op": "failed", "why": (self.failure or "")[:MAX_TEXT]})
         for connection in list(self.ranks.values()):
+            # Best effort, without blocking: a rank that reads nothing must not delay the others.
             with contextlib.suppress(OSError):
-                connection.sock.setblocking(True)
-                connection.sock.settimeout(1.0)
-                connection.sock.sendall(bytes(connection.outbox) + notice)
+                connection.sock.send(bytes(connection.outbox) + notice)
         self._close_all()
 
 
@@ -573,6 +642,7 @@ class SocketLink:
                 reply.labels,
                 reply.gave_up,
                 dropped=reply.dropped,
+                open_seconds=reply.open_seconds,
             )
 
     def _exchange(self, key, label, status, timeout, started) -> Any:
@@ -582,7 +652,7 @@ class SocketLink:
         end = started + timeout
         give_up_at = end - give_up_margin(timeout)
         try:
-            self._sock.sendall(post_frame(key, label, status, self.rank))
+            self._sock.sendall(post_frame(key, label, status, self.rank, timeout))
         except OSError:
             return self._gone()
         gave_up = False

@@ -349,8 +349,11 @@ def unknown_options(environ: Mapping[str, str]) -> list[str]:
     )
     hints = []
     for env in unknown:
-        close = difflib.get_close_matches(env, known, n=1, cutoff=0.0)
-        hints.append(f"{env} (did you mean {close[0]}?)" if close else env)
+        # Compared without the prefix every name shares, which would make any name look close.
+        suffixes = [name[len(OPTION_PREFIX) :] for name in known]
+        close = difflib.get_close_matches(env[len(OPTION_PREFIX) :], suffixes, n=1, cutoff=0.6)
+        hint = f"did you mean {OPTION_PREFIX}{close[0]}?" if close else "no option is close to it"
+        hints.append(f"{env} ({hint})")
     return hints
 
 

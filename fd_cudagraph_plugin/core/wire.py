@@ -26,6 +26,9 @@ MAX_HELLO_BYTES = 256
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
 MAX_TEXT = 2000
+#: Deepest nesting of a status: ours nest 4 deep. Python's JSON parser shares the interpreter's
+#: recursion limit, so a deeper one would parse on one rank and not on another.
+MAX_DEPTH = 16
 #: Keys of a point: (session epoch, point number), each below this.
 MAX_KEY = 1 << 31
 
@@ -56,6 +59,9 @@ class Outcome:
     channel_failure: str = ""
     #: Of ``lost``: ranks the server dropped for what they sent, with why.
     dropped: dict[int, str] = field(default_factory=dict)
+    #: Seconds the point was open on the server before it was decided (the first post to the
+    #: decision): how long the ranks that posted waited for the missing ones.
+    open_seconds: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -119,9 +125,14 @@ _MEMORY_FIELDS = {
 
 def check_status(status: Any, world: int) -> dict[str, Any] | None:
     """A posted status: None, ``{"payload": <JSON>}`` or ``{"failure": {...}}`` with exactly
-    the fields ``agreement.py`` writes. Payloads are checked by the point that reads them."""
+    the fields ``agreement.py`` writes, at most ``MAX_DEPTH`` deep and re-encoded within
+    ``MAX_POST_BYTES``. What a payload means is checked by the point that reads it."""
     if status is None:
         return None
+    if _depth(status) > MAX_DEPTH:
+        raise BadMessage(f"nested more than {MAX_DEPTH} deep")
+    if len(encode(status)) > MAX_POST_BYTES:
+        raise BadMessage(f"more than {MAX_POST_BYTES} bytes")
     if type(status) is not dict or len(status) != 1:
         raise BadMessage("status must be null, {payload} or {failure}")
     if "payload" in status:
@@ -167,7 +178,24 @@ def malformed_status(rank: int, label: str, why: str) -> dict[str, Any]:
 
 
 def _sane(value: float) -> bool:
+    if type(value) is int:  # math.isfinite overflows on an int past a float's range
+        return 0 <= value < 1 << 60
     return math.isfinite(value) and 0 <= value < 1 << 60
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests, counted without recursion (it may be arbitrarily deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > MAX_DEPTH:
+                return deepest
+            stack.extend(
+                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
 
 
 def check_outcome(message: dict[str, Any], world: int) -> Outcome:
@@ -202,6 +230,9 @@ def check_outcome(message: dict[str, Any], world: int) -> Outcome:
         if not raw.isdigit() or int(raw) not in ranks:
             raise BadMessage("outcome.dropped must be keyed by rank")
         why_dropped[int(raw)] = text_field(why, "dropped", MAX_LABEL)
+    waited = message.get("waited")
+    if type(waited) not in (int, float) or not _sane(waited):
+        raise BadMessage("outcome.waited must be a number of seconds")
     return Outcome(
         label="",
         statuses=by_rank,
@@ -210,12 +241,30 @@ def check_outcome(message: dict[str, Any], world: int) -> Outcome:
         labels=label_of,
         gave_up=rank_list("gave_up"),
         dropped=why_dropped,
+        open_seconds=float(waited),
     )
 
 
+def encode(message: Any) -> bytes:
+    """The body of a frame: compact UTF-8 JSON (not ASCII escapes, which can grow a text six
+    times), no NaN or infinity."""
+    return json.dumps(message, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+
+
 def frame(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    body = encode(message)
     return _HEADER.pack(len(body)) + body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 def take_frame(buffer: bytearray, cap: int) -> Any:
@@ -231,7 +280,7 @@ def take_frame(buffer: bytearray, cap: int) -> Any:
     body = bytes(buffer[_HEADER.size : _HEADER.size + size])
     del buffer[: _HEADER.size + size]
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_refuse_constant, parse_float=_finite)
     except (ValueError, RecursionError) as error:
         raise BadMessage(f"not JSON ({type(error).__name__})") from None
 
@@ -239,17 +288,18 @@ def take_frame(buffer: bytearray, cap: int) -> Any:
 INCOMPLETE = object()
 
 
-def post_frame(key: list[int], label: str, status: Any, rank: int) -> bytes:
-    """A post's frame. A status the channel would refuse (too large, not JSON) becomes this
-    rank's failure, so that every rank stops on it with the reason."""
+def post_frame(key: list[int], label: str, status: Any, rank: int, timeout: float) -> bytes:
+    """A post's frame, with the seconds this rank waits for the outcome. A status the channel
+    would refuse (too large, not JSON) becomes this rank's failure, so that every rank stops on
+    it with the reason."""
     label = label[:MAX_LABEL]
+    post = {"op": "post", "key": key, "label": label, "timeout": timeout}
     try:
-        framed = frame({"op": "post", "key": key, "label": label, "status": status})
+        framed = frame({**post, "status": status})
     except (TypeError, ValueError) as error:
         why = f"it is not JSON ({type(error).__name__}: {error})"
     else:
         if len(framed) - _HEADER.size <= MAX_POST_BYTES:
             return framed
         why = f"it is {len(framed) - _HEADER.size} bytes, over the channel's {MAX_POST_BYTES}"
-    failure = malformed_status(rank, label, why)
-    return frame({"op": "post", "key": key, "label": label, "status": failure})
+    return frame({**post, "status": malformed_status(rank, label, why[:MAX_LABEL])})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
 from fd_cudagraph_plugin.tools.capture_rules import (
@@ -438,8 +439,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         description="Capture a small decoder at the given sizes in a capture session, serve "
         "random decode steps through the plugin's backend and compare every one with eager. The "
         "demo always runs the plugin's backend (FD_CUDAGRAPH_BACKEND=native is refused), and "
-        "writes nothing unless asked: without FD_LOG_DIR its graph-memory record goes to a "
-        "temporary directory, removed at the end.",
+        "writes no file unless asked (FD_CUDAGRAPH_MEMORY_REPORT, FD_CUDAGRAPH_STATS_FILE, "
+        "FD_CUDAGRAPH_DUMP_DOT).",
     )
     demo.add_argument(
         "--sizes",
@@ -539,19 +540,47 @@ def _drop_stdout() -> None:
         pass
 
 
+class _Tolerant(io.TextIOBase):
+    """Standard error as the tools write to it: a message that cannot be written (stderr closed,
+    full, or a reader gone) is dropped, and never turns the exit code into a write failure."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            self._target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            self._target.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; exit 2 on bad input (a closed stdout included), 130 on Ctrl-C, 1 when
     stdout cannot be written."""
+    # With stderr closed Python sets it to None, and print(file=None) writes to stdout: an
+    # error line would land in the output a script reads.
+    if not isinstance(sys.stderr, _Tolerant):
+        sys.stderr = _Tolerant(sys.stderr)
     if sys.stdout is None:
-        # Started with standard output closed (`>&-`): Python has no stdout object, so every
-        # print would vanish; and a file this command opens could take descriptor 1.
-        if sys.stderr is not None:
+        # Started with standard output closed (`>&-`): the command still runs, so that bad input
+        # is said as such, and its result goes nowhere; a file this command opens could
+        # otherwise take descriptor 1.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's stdout from now on
+        code = main(argv)
+        if code != 2:  # it ran; 2 is bad input, already said
             print(
                 "fd-cudagraph: standard output is closed; nothing to write the result to. "
                 "Redirect it to a file or /dev/null instead.",
                 file=sys.stderr,
             )
-        return 2
+            return 2
+        return code
     try:
         with _INTERRUPTS.watching():
             parser = build_parser()

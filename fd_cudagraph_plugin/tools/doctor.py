@@ -345,6 +345,14 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
     detail = f"{detail}; the other {defaults}" if set_here else f"all {defaults}"
     detail += " at their defaults"
     caveats, fixes = [], []
+    for env in PATH_OPTIONS:
+        special = _special_file(values.get(env))
+        if special:
+            caveats.append(
+                f"{env} names {special}, which is no regular file: the plugin starts, refuses "
+                "every write to it (a FIFO would block the worker) and counts them"
+            )
+            fixes.append(f"name a regular file in {env}.")
     if values.get("FD_CUDAGRAPH_BACKEND") == "native":
         caveats.append("the plugin loads but FastDeploy keeps its own backend")
         fixes.append("unset FD_CUDAGRAPH_BACKEND to use the plugin's.")
@@ -359,6 +367,14 @@ def check_options(environ: Mapping[str, str]) -> CheckResult:
     if caveats:
         return CheckResult(name, WARN, f"{detail}: {'; '.join(caveats)}.", " ".join(fixes))
     return CheckResult(name, OK, f"{detail}.")
+
+
+def _special_file(template: object) -> str:
+    """The path of ``template`` (placeholders as rank 0) when it exists and is no regular file."""
+    if not isinstance(template, str) or not template:
+        return ""
+    path = os.path.expanduser(template.replace("{rank}", "0").replace("{dp_rank}", "0"))
+    return path if os.path.exists(path) and not os.path.isfile(path) else ""
 
 
 def _as_read(env: str, raw: str, value: object) -> str:

@@ -249,7 +249,7 @@ def tune(
     out of both totals and reported; so are 0-token steps. ``fastdeploy_version`` picks the
     release's rules (None: the installed FastDeploy's, else develop).
     """
-    check_count("--max-graphs", max_graphs, 1)
+    check_count("--max-graphs", max_graphs, 1, DECODE_CAP)
     release = release_rules(fastdeploy_version)
     # The decode cap is min(512, max_num_seqs) with FDConfig.check's max_num_seqs limit
     # (config.py), so larger counts run eagerly under any list.
