@@ -78,12 +78,19 @@ def link_for(fd_config: Any, options: PluginOptions) -> Link:
                 options.rank_timeout,
             )
         except (JoinError, OSError) as error:
+            if isinstance(error, ConnectionRefusedError):
+                why = "rank 0's agreement server refused the connection: its process has exited"
+                fix = "See rank 0's log for why it stopped."
+            else:
+                why = f"{type(error).__name__}: {error}"
+                fix = (
+                    "Every worker of the group must run fd-cudagraph-plugin (FD_PLUGINS) and start "
+                    "capture_model(); raise FD_CUDAGRAPH_RANK_TIMEOUT if rank 0 is slow."
+                )
             raise RankTimeoutError(
                 f"tensor-parallel rank {ranks.tp_rank} could not join its group's CUDA graph "
-                f"agreement (ranks {group}) within {options.rank_timeout:.0f} s: "
-                f"{type(error).__name__}: {error}. Every worker of the group must run "
-                f"fd-cudagraph-plugin (FD_PLUGINS) and start capture_model(); raise "
-                f"FD_CUDAGRAPH_RANK_TIMEOUT if rank 0 is slow.",
+                f"agreement (ranks {group}, waiting at most {options.rank_timeout:g} s): {why}. "
+                f"{fix}",
                 stage="agreement",
             ) from error
         state.links[name] = link
