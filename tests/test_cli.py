@@ -268,3 +268,20 @@ def test_tune_max_graphs_is_bounded_as_its_help_says(value):
         timeout=120,
     )
     assert done.returncode == 2 and "--max-graphs must be at most 512" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plan", "--max-num-seqs", "abc"], ["bogus"], ["plan", "--bogus"], ["tune"]],
+)
+def test_a_usage_error_is_one_line_that_says_where_the_usage_is(argv):
+    # Before: argparse's usage block, 15 lines for plan, then the error.
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("fd-cudagraph") and line.endswith("--help.")

@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
 from fd_cudagraph_plugin.tools.capture_rules import (
@@ -482,6 +482,10 @@ class _Parser(argparse.ArgumentParser):
             return
         super()._print_message(message, file)
 
+    def error(self, message: str) -> NoReturn:
+        """One line, as every other bad input is said, and where to read the usage."""
+        self.exit(2, f"{self.prog}: {message}. See {self.prog} --help.\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from fd_cudagraph_plugin import __version__
@@ -493,7 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_tune(sub)
     doctor = sub.add_parser(
-        "doctor", help="check that FastDeploy will load and use the plugin here, with fixes"
+        "doctor",
+        help="check that FastDeploy will load and use the plugin here, with fixes",
+        description="Check, in the environment FastDeploy runs in, that FastDeploy will load the "
+        "plugin and use its backend: one OK, WARN or FAIL line per check, with the fix. Exit 1 "
+        "when a check fails.",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON")
     doctor.set_defaults(run=_cmd_doctor)
