@@ -509,3 +509,15 @@ def test_the_report_never_says_fewer_when_the_default_pads_nothing(tmp_path):
     text = format_result(tune(read_histogram([trace]), max_graphs=1))
     assert "tuned   (1 graph): 4" in text
     assert "default 0 (0.000 per step), the default list pads none" in text
+
+
+def test_a_tuned_list_that_pads_more_than_the_default_is_not_recommended():
+    # With --max-graphs below the default list's length, the tuned list can pad more; "use:" then
+    # recommended the worse list.
+    from fd_cudagraph_plugin.tools.tune import format_result, tune
+
+    histogram = {1: 10, 2: 10, 3: 10, 5: 10, 7: 10, 13: 10}
+    result = tune(histogram, max_graphs=2, max_size=13, fastdeploy_version="develop")
+    assert result.padded_tokens > result.baseline_padded_tokens
+    text = format_result(result)
+    assert "keep the default list" in text and "\nuse:" not in text

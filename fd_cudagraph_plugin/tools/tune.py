@@ -389,8 +389,16 @@ def format_result(result: TuneResult) -> str:
         f"padded tokens: tuned {result.padded_tokens} ({per_step(result.padded_tokens)}), "
         f"default {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
         f"{change}",
-        "use: --graph-optimization-config "
-        f"'{json.dumps(result.graph_optimization_config, separators=(', ', ': '))}'",
     ]
+    config = f"'{json.dumps(result.graph_optimization_config, separators=(', ', ': '))}'"
+    if result.padded_tokens > result.baseline_padded_tokens:
+        # Fewer graphs than the default can pad more: say so rather than recommend it.
+        lines.append(
+            f"keep the default list: with {graphs_phrase(len(baseline))} it pads fewer tokens; "
+            f"raise --max-graphs to tune within as many. The tuned list, if graph memory matters "
+            f"more: --graph-optimization-config {config}"
+        )
+    else:
+        lines.append(f"use: --graph-optimization-config {config}")
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
