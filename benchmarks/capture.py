@@ -233,8 +233,8 @@ def print_section(timings: dict[str, list[list[Timing]]], index: int) -> None:
         each = "warm-up" if run.warmups == 1 else "warm-ups"
         print(
             f"  {name:44s} total {run.seconds * 1e3:6.1f} ms (setup {run.setup * 1e3:4.1f} ms)  "
-            f"{run.per_size * 1e3:6.2f} ms/size  x{reference / run.per_size:.2f} vs "
-            f"{reference_name}  {run.warmups:g} {each}/size{reported}"
+            f"{run.per_size * 1e3:6.2f} ms/size  {run.per_size / reference:.2f}x "
+            f"{reference_name}'s time  {run.warmups:g} {each}/size{reported}"
         )
 
 
