@@ -425,3 +425,18 @@ def test_the_out_of_memory_advice_never_asks_for_the_reserve_already_set(kv_rese
     assert says in advice
     if kv_reserve != "off":
         assert "set FD_CUDAGRAPH_KV_RESERVE=auto" not in advice
+
+
+def test_a_record_that_cannot_be_looked_up_is_treated_as_missing(device, monkeypatch):
+    # Before the ranks agree whether to probe, nothing local to one rank may raise: its peers
+    # would wait for it at the point, then in FastDeploy's all-reduce of the KV blocks.
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+
+    def broken() -> str:
+        raise RuntimeError("no device name")
+
+    monkeypatch.setattr(device, "device_name", broken)
+    backend, _ = start(0.95)
+    backend.check_capture_successful()
+    source = process.current().reserve.applied.source
+    assert "the record could not be looked up (no device name)" in source

@@ -114,8 +114,11 @@ class KvReserve:
         device = runtime.device_memory()
         total, why, keys = 0, [], []
         for phase in phases:
-            key = record_key(members, phase)
-            nbytes, source = record.lookup(key, device[1] if device else None)
+            try:
+                key = record_key(members, phase)
+                nbytes, source = record.lookup(key, device[1] if device else None)
+            except Exception as error:  # local to this rank: it must still reach the point below
+                nbytes, source = None, f"the record could not be looked up ({error})"
             if nbytes is None:
                 why.append(source)
             else:
