@@ -89,7 +89,6 @@ class GlooLink:
         return self._epoch
 
     def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
-        started = time.monotonic()
         others = tuple(r for r in range(self.world) if r != self.rank)
         self.last_error = ""
         try:
@@ -102,10 +101,10 @@ class GlooLink:
         except Abandoned:
             # gloo cannot say which rank did not come: every other rank is named
             self.last_error = f"gave up after {timeout:g} s"
-            return Outcome(label, {self.rank: status}, others, (), time.monotonic() - started)
+            return Outcome(label, {self.rank: status}, others, ())
         except Exception as error:
             self.last_error = f"{type(error).__name__}: {error}"
-            return Outcome(label, {self.rank: status}, others, (), time.monotonic() - started)
+            return Outcome(label, {self.rank: status}, others, ())
         labels = {post["label"] for post in posts}
         if labels != {label}:
             self.last_error = f"labels differ: {sorted(labels)}"

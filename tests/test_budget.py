@@ -20,7 +20,7 @@ from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
 from fd_cudagraph_plugin.core import budget, process, reserve
 from fd_cudagraph_plugin.core.errors import CaptureError, ConfigError
 from fd_cudagraph_plugin.core.options import PluginOptions
-from fd_cudagraph_plugin.core.stats import human_bytes
+from fd_cudagraph_plugin.core.text import human_bytes
 
 MiB = 1 << 20
 GRAPH = 20 * MiB

@@ -33,6 +33,7 @@ What the server guarantees, against any peer that can reach its port (docs/desig
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -278,7 +279,6 @@ class Server(threading.Thread):
         self.ranks: dict[int, _Connection] = {}
         #: Why the loop stopped, if it ever does: every rank is told, rank 0's link reads it.
         self.failure: str | None = None
-        self.dropped = 0
         self._accept_paused_until = 0.0
         self._warned: set[str] = set()
         self._stopping = False
@@ -500,7 +500,6 @@ class Server(threading.Thread):
                     why,
                 )
         elif connection.rank is None:
-            self.dropped += 1
             self._warn_once(
                 "stranger",
                 "fd-cudagraph agreement server dropped a connection from %s that is not a rank "
@@ -627,23 +626,11 @@ class SocketLink:
             self._point += 1
             started = time.monotonic()
             reply = self._exchange(key, label, status, timeout, started)
-            waited = time.monotonic() - started
             if isinstance(reply, str):
-                return Outcome(label, {self.rank: status}, waited=waited, channel_failure=reply)
+                return Outcome(label, {self.rank: status}, channel_failure=reply)
             if reply is _CLOSED:  # the server is gone: TP rank 0's process exited
-                return Outcome(label, {self.rank: status}, (0,), (0,), waited)
-            abandoned = reply.missing or reply.gave_up
-            return Outcome(
-                label,
-                reply.statuses,
-                reply.missing,
-                reply.lost,
-                waited if abandoned else 0.0,
-                reply.labels,
-                reply.gave_up,
-                dropped=reply.dropped,
-                open_seconds=reply.open_seconds,
-            )
+                return Outcome(label, {self.rank: status}, (0,), (0,))
+            return dataclasses.replace(reply, label=label)
 
     def _exchange(self, key, label, status, timeout, started) -> Any:
         """The outcome of point ``key``; ``_CLOSED``; or why the channel failed (a str)."""

@@ -129,8 +129,8 @@ def _path(text: str) -> str:
     """An output file the plugin can create or append to, checked now rather than after capture.
 
     Checked as rank 0's path: the directory may be missing (it is created at the first write) as
-    long as its nearest existing ancestor is a directory we can create files in. A probe file
-    is created and removed there because ``os.access`` says yes to root even on ``/proc``.
+    long as its nearest existing ancestor is a directory ``os.access`` lets us create files in.
+    No file is created to find out; ``probe_writable`` does, for ``fd-cudagraph doctor``.
     Braces are for the placeholders only: ``{foo}`` or a lone ``{rank`` would be written
     literally, never what was meant (a misspelt placeholder), so any other brace is refused.
     """
@@ -148,9 +148,7 @@ def _path(text: str) -> str:
             "other brace may appear in the path"
         )
     path = os.path.expanduser(text)
-    probe = path
-    for placeholder in PATH_PLACEHOLDERS:
-        probe = probe.replace(placeholder, "0")
+    probe = rank_zero_path(text)
     if probe.endswith(os.sep):
         raise ValueError(f"{probe} ends with {os.sep}, so it names a directory; name a file")
     probe = os.path.abspath(probe)
@@ -175,15 +173,20 @@ def _path(text: str) -> str:
     return path
 
 
+def rank_zero_path(template: str) -> str:
+    """An output path as rank 0 of replica 0 writes it: the placeholders as 0, ``~`` expanded."""
+    path = os.path.expanduser(template)
+    for placeholder in PATH_PLACEHOLDERS:
+        path = path.replace(placeholder, "0")
+    return path
+
+
 def probe_writable(path: str) -> None:
     """Create and remove a file where ``path`` would be written: what ``os.access`` cannot tell
     (root on ``/proc``). For ``fd-cudagraph doctor``; a worker's start creates nothing."""
     import tempfile
 
-    probe = os.path.abspath(os.path.expanduser(path))
-    for placeholder in PATH_PLACEHOLDERS:
-        probe = probe.replace(placeholder, "0")
-    ancestor = os.path.dirname(probe)
+    ancestor = os.path.dirname(os.path.abspath(rank_zero_path(path)))
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     try:

@@ -22,8 +22,6 @@ logger = logging.getLogger("fd_cudagraph_plugin")
 
 STATS_FORMAT = "fd-cudagraph-stats/1"
 
-__all__ = ["human_bytes"]
-
 
 def live_backends() -> list[Any]:
     return process.current().backends()

@@ -49,8 +49,6 @@ class Outcome:
     missing: tuple[int, ...] = ()
     #: Of ``missing``: ranks whose connection dropped (their process exited).
     lost: tuple[int, ...] = ()
-    #: Seconds this rank waited, when the point was abandoned; 0 otherwise.
-    waited: float = 0.0
     #: The label each rank posted with, by rank.
     labels: dict[int, str] = field(default_factory=dict)
     #: Ranks whose give-up (their FD_CUDAGRAPH_RANK_TIMEOUT ran out) abandoned the point.

@@ -22,6 +22,7 @@ from fd_cudagraph_plugin.core.options import (
     PATH_OPTIONS,
     describe,
     probe_writable,
+    rank_zero_path,
     read_option,
     removed_option_error,
     unknown_options,
@@ -373,7 +374,7 @@ def _special_file(template: object) -> str:
     """The path of ``template`` (placeholders as rank 0) when it exists and is no regular file."""
     if not isinstance(template, str) or not template:
         return ""
-    path = os.path.expanduser(template.replace("{rank}", "0").replace("{dp_rank}", "0"))
+    path = rank_zero_path(template)
     return path if os.path.exists(path) and not os.path.isfile(path) else ""
 
 
