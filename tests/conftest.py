@@ -296,27 +296,34 @@ class Buffers:
 
 
 class PeerLink:
-    """An agreement link for one process acting as ``rank`` of ``world``: the other ranks' statuses
-    come from ``peer(rank, label, status)`` (by default the same as this rank's)."""
+    """An agreement link for one process acting as ``rank`` of ``world``: the other ranks'
+    statuses come from ``peer(rank, label, status)`` (by default the same as this rank's), as the
+    JSON a peer sends (``{"payload": ..., "failure": ...}``), read as the server reads a post."""
 
     def __init__(self, rank: int = 0, world: int = 2, peer=None) -> None:
         self.rank, self.world = rank, world
         self.peer = peer or (lambda other, label, status: status)
         self.labels: list[str] = []
-        self.posted: list[tuple[str, object]] = []
+        #: (label, this rank's status as JSON), per point.
+        self.posted: list[tuple[str, dict]] = []
 
     def next_epoch(self) -> int:
         return 0
 
     def agree(self, label, status, timeout):
-        from fd_cudagraph_plugin.core.wire import Outcome
+        from fd_cudagraph_plugin.core.channel import Agreed, malformed
+        from fd_cudagraph_plugin.core.messages import BadMessage, Outcome, Status
 
+        mine = status.to_json()
         self.labels.append(label)
-        self.posted.append((label, status))
-        statuses = {
-            r: status if r == self.rank else self.peer(r, label, status) for r in range(self.world)
-        }
-        return Outcome(label, statuses)
+        self.posted.append((label, mine))
+        statuses = {}
+        for r in range(self.world):
+            try:
+                statuses[r] = status if r == self.rank else Status.check(self.peer(r, label, mine))
+            except BadMessage as error:
+                statuses[r] = malformed(r, label, str(error))
+        return Agreed(label, Outcome(key=(0, 0), statuses=statuses))
 
 
 def served_by(backend, step: dict):

@@ -106,7 +106,8 @@ def test_plan_check_diff_names_the_key_and_both_values(sim):
     def peer(rank, label, status):
         if label == "plan":
             payload = status["payload"]
-            return {"payload": {**payload, "plan": {**payload["plan"], "self_check": "warn"}}}
+            plan = {**payload["plan"], "self_check": "warn"}
+            return {**status, "payload": {**payload, "plan": plan}}
         return status
 
     expected = r"\. rank 1: self_check: rank 0 'off' vs rank 1 'warn'\. Start"
@@ -192,10 +193,10 @@ def test_the_plan_is_checked_at_the_first_capture_when_no_backend_existed_at_the
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1])
 
     def peer(rank, label, status):
-        payload = (status or {}).get("payload")
+        payload = status["payload"]
         if label == "plan" and payload and payload["plan"]["backends"]:
             plan = {**payload["plan"], "backend0.capture_sizes": [4, 2]}
-            return {"payload": {**payload, "plan": plan}}
+            return {**status, "payload": {**payload, "plan": plan}}
         return status
 
     link = PeerLink(peer=peer)
@@ -244,7 +245,8 @@ def test_a_failure_on_another_rank_stops_this_one_with_that_ranks_cause(sim):
         if label.startswith("capture decode size 2"):
             failure = {"rank": 1, "stage": "capture", "where": "decode size 2", "mode": "dynamic"}
             failure.update(error="RuntimeError: CUDA error(2): out of memory", explained=False)
-            return {"failure": {**failure, "out_of_memory": True}}
+            failure.update(advice="Out of memory: lower --max-num-seqs.")
+            return {"payload": None, "failure": {**failure, "out_of_memory": True}}
         return status
 
     buffers = Buffers()

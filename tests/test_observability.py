@@ -237,7 +237,8 @@ def test_a_tensor_parallel_backend_never_captures_outside_a_session(sim):
 
 def _rank_one_fails_self_check_at_size_2(rank, label, status):
     if label.startswith("self-check decode size 2"):
-        return {"payload": "CUDA graph self-check failed for decode size 2: output 0 differs"}
+        verdict = "CUDA graph self-check failed for decode size 2: output 0 differs"
+        return {"payload": verdict, "failure": None}
     return status
 
 
@@ -264,7 +265,8 @@ def test_tensor_parallel_ranks_act_alike_on_a_self_check_failure_of_another_rank
         "self-check decode size 2 (target)",
         "self-check decode size 1 (target)",
     ]
-    assert all(status == {"payload": None} for label, status in link.posted if "self" in label)
+    posted = [status for label, status in link.posted if "self" in label]
+    assert posted and all(status == {"payload": None, "failure": None} for status in posted)
     assert served_by(backend, buffers.step(2))[1] is None  # eager on this rank too
     assert served_by(backend, buffers.step(4))[1] == 4
 
@@ -274,7 +276,9 @@ def test_a_self_check_failure_on_this_rank_is_shared_not_raised_alone(sim, monke
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)
     backend, _ = backend_for(FrozenHostValue(sim), config=config)
     link = PeerLink(
-        peer=lambda rank, label, status: {"payload": None} if "self" in label else status
+        peer=lambda rank, label, status: (
+            {"payload": None, "failure": None} if "self" in label else status
+        )
     )
     buffers = Buffers()
     with CaptureSession("decode", fd_config=config, link=link):

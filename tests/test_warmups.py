@@ -110,7 +110,10 @@ def test_ranks_whose_histories_differ_all_warm_in_full(sim):
         if label != "plan":
             return status
         payload = status["payload"]
-        return {"payload": {**payload, "unwarmed": [{"decode": [4, 2, 1], "prefill": []}]}}
+        return {
+            **status,
+            "payload": {**payload, "unwarmed": [{"decode": [4, 2, 1], "prefill": []}]},
+        }
 
     with CaptureSession("decode", link=PeerLink(peer=fresh_peer)) as session:
         for size in (4, 2, 1):

@@ -23,8 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from fd_cudagraph_plugin.core import budget
-from fd_cudagraph_plugin.core.channel import Link, LocalLink
+from fd_cudagraph_plugin.core.channel import Agreed, Link, LocalLink
 from fd_cudagraph_plugin.core.errors import (
     CaptureError,
     CudaGraphPluginError,
@@ -32,11 +31,11 @@ from fd_cudagraph_plugin.core.errors import (
     SelfCheckError,
 )
 from fd_cudagraph_plugin.core.key import GraphKey
-from fd_cudagraph_plugin.core.wire import MAX_TEXT, Outcome
+from fd_cudagraph_plugin.core.messages import MAX_TEXT, BadMessage, Failure, Kind, Status, text
 
 T = TypeVar("T")
 
-_OOM_ADVICE = (
+OOM_ADVICE = (
     "Out of memory: lower --max-num-seqs or --gpu-memory-utilization, or trim "
     "cudagraph_capture_sizes in --graph-optimization-config."
 )
@@ -66,61 +65,69 @@ class Participant(Protocol):
 
 
 class Report(Protocol):
-    """Where the time spent agreeing is counted (``report.CaptureReport``)."""
+    """Where the time spent agreeing is counted, and who words the advice after this rank ran
+    out of memory (``report.CaptureReport``: it knows what was captured and what is free)."""
 
     agreement_seconds: float
     agreement_points: int
 
-    def memory_at_failure(self, participant: Participant, phase: str) -> dict[str, Any]: ...
+    def out_of_memory_advice(self, participant: Participant, phase: str) -> str: ...
 
 
-def failure_status(stage: str, where: str, mode: str, rank: int, error: BaseException) -> dict:
-    text = str(error).rstrip(". ")
-    # The channel caps a post; the start and the end of a long message say the most.
-    if len(text) > MAX_TEXT - 200:
-        text = text[: MAX_TEXT // 2 - 100] + " ... " + text[-(MAX_TEXT // 2 - 200) :]
-    return {
-        "rank": rank,
-        "stage": stage[:100],
-        "where": where[:100],
-        "mode": mode[:300],
-        "error": f"{type(error).__name__}: {text}",
-        "out_of_memory": "out of memory" in text.lower() or isinstance(error, MemoryError),
-        # The plugin's own errors (capture order, configuration) already say what to do.
-        "explained": isinstance(error, CudaGraphPluginError),
-    }
+def failure_of(
+    stage: str, where: str, mode: str, rank: int, error: BaseException, advice: str = ""
+) -> Failure:
+    """This rank's failure as it posts it, with the advice worded here, where the cause is
+    known; every rank prints the text the outcome carries, so the same on every rank."""
+    message = str(error).rstrip(". ")
+    out_of_memory = "out of memory" in message.lower() or isinstance(error, MemoryError)
+    explained = isinstance(error, CudaGraphPluginError)
+    if not advice:
+        if out_of_memory:
+            advice = OOM_ADVICE
+        elif explained:
+            advice = ""  # the plugin's own errors (capture order, configuration) say what to do
+        elif stage == "registration":
+            advice = _REGISTRATION_ADVICE
+        elif stage in ("warm-up", "capture", "static probe"):
+            advice = _OP_ADVICE
+    return Failure(
+        rank=rank,
+        stage=text(stage, 100),
+        where=text(where, 100),
+        mode=text(mode, 300),
+        error=text(f"{type(error).__name__}: {message}", MAX_TEXT - 200),
+        out_of_memory=out_of_memory,
+        explained=explained,
+        advice=text(advice, MAX_TEXT),
+    )
 
 
-def _advice(failures: list[dict]) -> str:
-    memory = [f["memory"] for f in failures if f["out_of_memory"] and f.get("memory")]
+def _advice(failures: list[Failure]) -> str:
+    """One advice for the failures of a point, read alike on every rank: the first that ran out
+    of memory's; else the failures' own where they all say the same."""
+    memory = [f.advice for f in failures if f.out_of_memory and f.advice]
     if memory:
-        return " " + budget.oom_advice(**memory[0])
-    if any(f["out_of_memory"] for f in failures):
-        return " " + _OOM_ADVICE
-    unexplained = [f for f in failures if not f["explained"]]
-    if not unexplained:
-        return ""
-    if all(f["stage"] == "registration" for f in unexplained):
-        return " " + _REGISTRATION_ADVICE
-    if all(f["stage"] in ("warm-up", "capture", "static probe") for f in unexplained):
-        return " " + _OP_ADVICE
-    return ""
+        return " " + memory[0]
+    said = {f.advice for f in failures if not f.explained}
+    return " " + said.pop() if len(said) == 1 and "" not in said else ""
 
 
-def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError | None:
-    """The error every rank raises for ``outcome``, or None when every rank is fine.
+def agreed_error(agreed: Agreed, world: int, timeout: float) -> CaptureError | None:
+    """The error every rank raises for ``agreed``, or None when every rank is fine.
 
     Built only from the outcome, which the server gives every rank alike, so the text is the same
     on every rank (the rank that raises it is in its worker log's name). The channel checked every
     field read here."""
-    if outcome.channel_failure:
+    outcome = agreed.outcome
+    if agreed.channel_failure:
         return CaptureError(
             f"The CUDA graph agreement of the tensor-parallel ranks failed at "
-            f"'{outcome.label}': {outcome.channel_failure}. This rank stops rather than enter a "
+            f"'{agreed.label}': {agreed.channel_failure}. This rank stops rather than enter a "
             f"collective the others may not join; restart the workers.",
             stage="agreement",
         )
-    failures = outcome.failures
+    failures = agreed.failures
     missing = [r for r in outcome.missing if r not in failures]
     # A rank that failed outside a point posts at its next one under its own label: a failure
     # explains different labels; without one, the ranks have lost step.
@@ -129,20 +136,19 @@ def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError |
         return None
     parts = []
     for failed_rank, failure in failures.items():
-        where = f" for {failure['where']}" if failure["where"] else ""
+        where = f" for {failure.where}" if failure.where else ""
         on = f" on tensor-parallel rank {failed_rank} of {world}" if world > 1 else ""
         parts.append(
-            f"CUDA graph {failure['stage']} failed{on}{where} ({failure['mode']}): "
-            f"{failure['error']}"
+            f"CUDA graph {failure.stage} failed{on}{where} ({failure.mode}): {failure.error}"
         )
-    text = "; ".join(parts)
+    text_ = "; ".join(parts)
     if failures:
-        text += "." + _advice(list(failures.values()))
-        if any(f["stage"] == "capture" for f in failures.values()):
-            text += _RESTART
+        text_ += "." + _advice(list(failures.values()))
+        if any(f.stage == "capture" for f in failures.values()):
+            text_ += _RESTART
     if len(labels) > 1:
-        text += (
-            (" " if text else "")
+        text_ += (
+            (" " if text_ else "")
             + "Tensor-parallel ranks reached different agreement points at once: "
             + "; ".join(
                 f"rank{_s(rs)} {_ranks(rs)} at '{label}'"
@@ -155,57 +161,57 @@ def agreed_error(outcome: Outcome, world: int, timeout: float) -> CaptureError |
         dropped = [r for r in missing if r in outcome.dropped]
         lost = [r for r in missing if r in outcome.lost and r not in outcome.dropped]
         late = [r for r in missing if r not in outcome.lost]
-        if text:
-            text += " "
+        if text_:
+            text_ += " "
         for rank in dropped:
-            text += (
+            text_ += (
                 f"The agreement server dropped tensor-parallel rank {rank} for what it sent "
-                f"({outcome.dropped[rank]}) before the agreement point '{outcome.label}'. "
+                f"({outcome.dropped[rank]}) before the agreement point '{agreed.label}'. "
             )
         if lost:
-            text += (
+            text_ += (
                 f"Tensor-parallel rank{_s(lost)} {_ranks(lost)} closed {_their(lost)} connection "
-                f"(the process exited or crashed) before the agreement point "
-                f"'{outcome.label}'. "
+                f"or stopped answering (the process exited, crashed or froze) before the "
+                f"agreement point '{agreed.label}' was decided. "
             )
         if late:
             # Said from the server's clock and the ranks that gave up, which every rank reads
             # alike: true also when a rank gave up early (its own shorter timeout).
             gave = [r for r in outcome.gave_up if r not in late] or list(outcome.gave_up)
             who = f"rank{_s(gave)} {_ranks(gave)} stopped waiting for " if gave else ""
-            text += (
+            text_ += (
                 f"Tensor-parallel rank{_s(late)} {_ranks(late)} had not reached the agreement "
-                f"point '{outcome.label}' when {who or 'the others stopped waiting for '}"
-                f"{'it' if len(late) == 1 else 'them'}, after {_seconds(outcome.open_seconds)} "
+                f"point '{agreed.label}' when {who or 'the others stopped waiting for '}"
+                f"{'it' if len(late) == 1 else 'them'}, after {_seconds(outcome.waited)} "
                 f"(FD_CUDAGRAPH_RANK_TIMEOUT, {_seconds(timeout)} here): "
                 f"{'it' if len(late) == 1 else 'they'} exited, hang, or do not run "
                 f"fd-cudagraph-plugin (set FD_PLUGINS=fd_cudagraph_plugin for every worker). "
             )
-        text = text.rstrip()
+        text_ = text_.rstrip()
     elif outcome.gave_up and not failures and len(labels) <= 1:
         gave = list(outcome.gave_up)
-        text += (
+        text_ += (
             f"Tensor-parallel rank{_s(gave)} {_ranks(gave)} stopped waiting at the agreement "
-            f"point '{outcome.label}' after {_seconds(outcome.open_seconds)} "
+            f"point '{agreed.label}' after {_seconds(outcome.waited)} "
             f"(FD_CUDAGRAPH_RANK_TIMEOUT, {_seconds(timeout)} here) just as the last rank arrived: "
             f"a rank is too slow for the timeout; raise it."
         )
     if world > 1:
         named = sorted({*failures, *missing, *outcome.gave_up})
-        text += (
+        text_ += (
             f" Every rank stops here, so none waits in a collective that rank{_s(named)} "
             f"{_ranks(named)} will not join."
         )
     error_type: type[CaptureError] = RankTimeoutError if missing and not failures else CaptureError
-    if failures and all(f["stage"] == "self-check" for f in failures.values()):
+    if failures and all(f.stage == "self-check" for f in failures.values()):
         error_type = SelfCheckError if not missing else CaptureError
-    stage = next(iter(failures.values()))["stage"] if failures else "agreement"
+    stage = next(iter(failures.values())).stage if failures else "agreement"
     return error_type(
-        text,
+        text_,
         stage=stage,
         failed_ranks=tuple(failures),
         missing_ranks=tuple(missing),
-        out_of_memory=any(f["out_of_memory"] for f in failures.values()),
+        out_of_memory=any(f.out_of_memory for f in failures.values()),
     )
 
 
@@ -268,12 +274,12 @@ class Agreement:
         participant: Participant | None,
         key: GraphKey | None,
         fn: Callable[[], Any],
-        check: Callable[[Any], bool],
+        kind: Kind,
     ) -> list[Any]:
-        """Like ``run``, and return every rank's result of ``fn`` (JSON-able), in rank order.
-        ``check`` says whether a rank's result is one this point can read; one that is not stops
-        every rank alike (the payload came over the network)."""
-        return self._agree(stage, participant, key, fn, check)
+        """Like ``run``, and return every rank's result of ``fn``, in rank order, each read as
+        ``kind`` (``messages.py``). One that cannot be read stops every rank alike (it came over
+        the network)."""
+        return self._agree(stage, participant, key, fn, kind)
 
     def fail(self, stage: str, error: BaseException) -> CaptureError:
         """This rank failed outside a point: post the failure at the next point, return the
@@ -296,62 +302,72 @@ class Agreement:
         self.failure = error
         return error
 
-    def _agree(self, stage, participant, key, fn, check):
+    def _agree(self, stage, participant, key, fn, kind: Kind | None):
         if self.failure is not None:
             raise self.failure
         where = str(key) if key is not None else ""
-        mode = _mode(participant, key)
-        status: dict[str, Any] | None
+        local: BaseException | None = None
         try:
             result = fn()
+            status = Status(payload=kind.dump(result)) if kind is not None else Status()
         except Exception as error:
-            failure = failure_status(stage, where, mode, self.rank, error)
-            if failure["out_of_memory"] and participant is not None and self.report is not None:
+            advice = ""
+            if participant is not None and self.report is not None and _out_of_memory(error):
                 phase = key.phase if key is not None else "decode"
-                failure["memory"] = self.report.memory_at_failure(participant, phase)
-            status = {"failure": failure}
-            local: BaseException | None = error
+                advice = _safely(lambda: self.report.out_of_memory_advice(participant, phase))
+            mode = _mode(participant, key)
+            status = Status(failure=failure_of(stage, where, mode, self.rank, error, advice))
+            local = error
             forget_locals(error)
-        else:
-            status = {"payload": result} if check is not None else None
-            local = None
         label = f"{stage} {where}".strip()
         if participant is not None:
             label += f" ({participant.role})"
         started = time.perf_counter()
-        outcome = self.link.agree(label, status, self.timeout)
+        agreed = self.link.agree(label, status, self.timeout)
         if self.report is not None:
             self.report.agreement_seconds += time.perf_counter() - started
             self.report.agreement_points += 1
-        error = agreed_error(outcome, self.world, self.timeout)
-        if error is None and check is not None:
-            error = _unreadable(outcome, label, check)
+        error = agreed_error(agreed, self.world, self.timeout)
+        shared = None
+        if error is None and kind is not None:
+            shared, error = _read(agreed, label, kind)
         if error is not None:
             self.failure = error
             if local is not None:
                 raise error from local
             raise error
-        return outcome.shared() if check is not None else None
+        return shared
 
 
-def _unreadable(outcome: Outcome, label: str, check: Callable[[Any], bool]) -> CaptureError | None:
-    bad = [rank for rank, payload in enumerate(outcome.shared()) if not _safely(check, payload)]
+def _out_of_memory(error: BaseException) -> bool:
+    return "out of memory" in str(error).lower() or isinstance(error, MemoryError)
+
+
+def _safely(advise: Callable[[], str]) -> str:
+    """The out-of-memory advice, or "" (the generic one) should wording it fail: the failure is
+    posted either way, or this rank's peers would wait for it in vain."""
+    try:
+        return advise()
+    except Exception:
+        return ""
+
+
+def _read(agreed: Agreed, label: str, kind: Kind) -> tuple[list[Any], CaptureError | None]:
+    read, bad = [], []
+    for rank, payload in enumerate(agreed.shared()):
+        try:
+            read.append(kind.check(payload))
+        except BadMessage:
+            bad.append(rank)
     if not bad:
-        return None
-    return MalformedPayload(
+        return read, None
+    return read, MalformedPayload(
         f"Tensor-parallel rank{_s(bad)} {_ranks(bad)} shared at the agreement point '{label}' "
         f"what this point cannot read. Every rank must run the same fd-cudagraph-plugin version; "
         f"every rank stops here.",
         stage="agreement",
         failed_ranks=tuple(bad),
     )
-
-
-def _safely(check: Callable[[Any], bool], payload: Any) -> bool:
-    try:
-        return bool(check(payload))
-    except Exception:
-        return False
 
 
 def forget_locals(error: BaseException) -> None:

@@ -31,6 +31,7 @@ from fd_cudagraph_plugin.core.entries import Entries, GraphEntry
 from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError
 from fd_cudagraph_plugin.core.key import DECODE, PREFILL, RUNNING, Step
 from fd_cudagraph_plugin.core.memory import pool_policy
+from fd_cudagraph_plugin.core.messages import VERDICT, Unwarmed, text
 from fd_cudagraph_plugin.core.report import CaptureReport
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
@@ -272,14 +273,12 @@ class CudaGraphBackend:
                 self.runnable(**kwargs)
             except Exception as error:
                 if any(text in str(error) for text in _NOT_ONE_STATIC_GRAPH):
-                    return f"{type(error).__name__}: {error}"[:1000]
+                    return text(f"{type(error).__name__}: {error}", 1000)
                 raise
             self.runtime.warmed = True  # it ran the model: no cold capture follows
             return None
 
-        verdicts = points.share(
-            "static probe", self, None, probe, lambda v: v is None or isinstance(v, str)
-        )
+        verdicts = points.share("static probe", self, None, probe, VERDICT)
         broken = [(rank, why) for rank, why in enumerate(verdicts) if why]
         self.static_decode = not broken
         self._build_entries()
@@ -321,7 +320,7 @@ class CudaGraphBackend:
             "bsz_table": list(s.bsz_table),
         }
 
-    def unwarmed(self) -> dict[str, list[int]]:
+    def unwarmed(self) -> Unwarmed:
         return self.warmed.missing(e.key for e in self.expected_entries())
 
     def graphs_expected(self, phase: str) -> int:

@@ -15,9 +15,8 @@ Pure arithmetic.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
 
+from fd_cudagraph_plugin.core.messages import RankMemory
 from fd_cudagraph_plugin.core.text import human_bytes
 
 
@@ -42,57 +41,6 @@ def _floor4(value: float) -> float:
 def share(value: float) -> str:
     """A utilization as an operator pastes it: up to four decimals, no trailing zeros."""
     return f"{value:.4f}".rstrip("0").rstrip(".")
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank's memory after a capture session, as every rank shares it at the session end."""
-
-    rank: int
-    #: What this session's graphs took (the plugin's own count, per capture).
-    graph_bytes: int
-    #: What the session took of the device as the driver counts it, from before its first
-    #: warm-up to its end: the graphs, and what the warm-ups and captures leave behind outside
-    #: them (allocator blocks cached from the warm-ups, the capture stream's library
-    #: workspaces, the graphs' own driver allocations). This, not ``graph_bytes``, is what must
-    #: fit beside the KV cache: 262 MiB where the graphs took 108 MiB (the harness's toy on an
-    #: H200, benchmarks/gpu). ``graph_bytes`` where the driver cannot say.
-    taken_bytes: int
-    #: The driver's free and total memory after the session.
-    free: int
-    total: int
-    utilization: float | None
-    #: The figures are of the simulated runtime's device (tests, the demo), not a GPU.
-    simulated: bool = False
-
-    @classmethod
-    def of(cls, payload: dict[str, Any]) -> RankMemory:
-        return cls(**payload)
-
-    @staticmethod
-    def readable(payload: Any) -> bool:
-        """Another rank's figures, as they came over the network: exactly these fields, sane
-        numbers (None: that rank captured nothing)."""
-        if payload is None:
-            return True
-        kinds = {
-            "rank": (int,),
-            "graph_bytes": (int,),
-            "taken_bytes": (int,),
-            "free": (int,),
-            "total": (int,),
-            "utilization": (float, int, type(None)),
-            "simulated": (bool,),
-        }
-        if not isinstance(payload, dict) or set(payload) != {f.name for f in fields(RankMemory)}:
-            return False
-        for name, allowed in kinds.items():
-            value = payload[name]
-            if type(value) not in allowed:
-                return False
-            if type(value) in (int, float) and not (math.isfinite(value) and 0 <= value < 2**60):
-                return False
-        return payload["utilization"] is None or 0 < payload["utilization"] <= 1
 
 
 def memory_line(ranks: list[RankMemory], rank: int) -> str:

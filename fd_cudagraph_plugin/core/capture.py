@@ -23,6 +23,7 @@ from fd_cudagraph_plugin.core.agreement import Agreement, Participant
 from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError, SelfCheckError
 from fd_cudagraph_plugin.core.key import DECODE, GraphKey
+from fd_cudagraph_plugin.core.messages import VERDICT
 from fd_cudagraph_plugin.core.runtime import Graph, GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings
 
@@ -164,9 +165,7 @@ class Capturer:
     ) -> list[str]:
         """Every rank runs ``check`` (replay against eager) on its new graph and acts on every
         rank's verdict: raise (``error``) or return the disagreements (``warn``)."""
-        verdicts = agreement.share(
-            "self-check", owner, key, check, lambda v: v is None or isinstance(v, str)
-        )
+        verdicts = agreement.share("self-check", owner, key, check, VERDICT)
         found = [(rank, message) for rank, message in enumerate(verdicts) if message]
         if not found:
             return []

@@ -1,82 +1,99 @@
-"""The channel tensor-parallel ranks agree over: TP rank 0's server, and each rank's link to it.
-What travels on it, and what a valid message is, is ``wire.py``.
+"""The channel tensor-parallel ranks agree over, on ZeroMQ: TP rank 0's ROUTER and each rank's
+DEALER. What travels on it, and what a valid message is, is ``messages.py``.
 
 A capture session has fixed agreement points (``agreement.py`` says where and what they mean). At
 each, every rank posts its status (ok, a payload, or what failed) and gets back one outcome, the
-same on every rank, decided by the server alone:
+same on every rank, decided by the ``Decider`` on TP rank 0:
 
 * complete: every rank posted; the outcome carries each rank's status and label;
 * abandoned: a rank gave up waiting (``FD_CUDAGRAPH_RANK_TIMEOUT``) or a rank's connection dropped
-  (its process exited); the outcome names the ranks that never posted.
+  (its process exited) before the point was decided; the outcome names the ranks at fault.
 
-Why a server of our own, and not a ``paddle.distributed`` gloo group (measured side by side,
-``benchmarks/channel.py``, docs/design.md): Paddle 3.3.1 builds a gloo group without a timeout of
-ours (``new_group``'s is not passed to gloo), so a wait there is bounded by gloo's own and cannot
-name the rank that did not come, and a group that timed out is not usable again. NCCL and the
-custom all-reduce are the collectives a failed rank will not join. The server is found through
-Paddle's job TCP store once per process; each point then costs one request and one reply.
+ZeroMQ is FastDeploy's own control-plane library (``fastdeploy/inter_communicator/``; ``zmq`` is
+in its requirements on every release), and libzmq does what a server of our own did before: the
+framing, a buffer and a queue per peer, non-blocking I/O, the message cap (``MAXMSGSIZE``: a peer
+announcing more is disconnected), the handshake deadline (``HANDSHAKE_IVL``), fair queuing between
+peers (a flood from one delays no other), heartbeats, and peer isolation (a peer that does not
+speak ZMTP, or that fails authentication, costs only its own connection). What is ours: the
+Decider, the link and the schema.
 
-What the server guarantees, against any peer that can reach its port (docs/design.md):
-
-* nothing a connection sends can block or kill it: sockets are non-blocking with a buffer per
-  connection, frames are capped, a connection must say hello (with the job's token) within
-  ``HELLO_SECONDS``, unauthenticated connections are capped, every message is validated and a bad
-  one drops only its connection, and an ``accept()`` error only pauses accepting;
-* only the group's ranks count: each rank ``0..world-1`` is claimed once, by the first hello;
-* one verdict per point: the server decides, a give-up is decided at the end of the batch of
-  messages it arrived in (so a stalled server that wakes up never completes a point that a rank
-  already gave up on), and a reply names its point, so a late reply is never taken for the next;
-* if the server thread ever stops, it tells every rank before it closes, and every rank says the
-  agreement server failed, not that rank 0 exited.
+Where it listens (``Address``): on one host, a Unix socket in a directory only this user can
+enter, at a path every rank derives from the job alone, so nothing is published and nothing that
+can write Paddle's job store can pose as the server; across hosts (or with
+``FD_CUDAGRAPH_AGREEMENT_INTERFACE`` / ``_PORTS`` set), TCP on TP rank 0's node address, published
+with a token in the job store. A TCP peer must present the token in ZeroMQ's PLAIN handshake,
+checked by the server's own ZAP handler: a wrong one is refused before it is a peer. Whoever can
+read or write the job store can pass that check and pose as a rank or as the server: a multi-host
+job's network must be trusted (docs/design.md says what that allows).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import os
+import re
 import secrets
-import selectors
-import socket
+import stat
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fd_cudagraph_plugin.core.wire import (
-    INCOMPLETE,
-    MAX_HELLO_BYTES,
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from fd_cudagraph_plugin.core.messages import (
     MAX_LABEL,
     MAX_POST_BYTES,
     MAX_TEXT,
     PROTOCOL,
+    TO_RANK,
     BadMessage,
+    Dropped,
+    Failure,
+    GiveUp,
+    Hello,
     Outcome,
-    check_outcome,
-    check_status,
-    frame,
-    malformed_status,
-    max_reply_bytes,
-    parse_key,
-    post_frame,
-    take_frame,
-    text_field,
+    Post,
+    Refused,
+    ServerFailed,
+    Status,
+    Welcome,
+    decode,
+    encode,
+    max_message_bytes,
+    parse,
+    text,
 )
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
-#: Seconds a new connection has to say hello. Ranks send it right after connecting.
-HELLO_SECONDS = 1.0
-#: Connections that have not said hello yet, at most; the oldest is dropped for a new one, so a
-#: flood of idle connections can neither exhaust the worker's descriptors nor keep a rank out.
-MAX_PENDING = 32
-#: What a rank's unread replies may hold before the server gives up on it.
-MAX_OUTBOX_BYTES = 1 << 20
+#: Seconds a new connection has to finish ZeroMQ's handshake (PLAIN included).
+HANDSHAKE_SECONDS = 1.0
+#: Heartbeats on every connection: a peer that stops answering for this long (its host went
+#: away, its process froze) is disconnected, and named, instead of at the rank timeout.
+HEARTBEAT_SECONDS = 1.0
+HEARTBEAT_TIMEOUT_SECONDS = 5.0
+#: Messages queued per peer, each way. An honest rank has at most two in flight.
+QUEUE = 64
+#: The largest message TP rank 0's server reads: a post (its status within ``MAX_POST_BYTES``).
+MAX_TO_SERVER = MAX_POST_BYTES
+#: Points one rank may hold open (posted first, not yet delivered to every rank). An honest rank
+#: holds one, two across a session's end; more is a rank running ahead of its group.
+MAX_OPEN_POINTS = 2
 #: Seconds between reads of the store while waiting for TP rank 0 to publish its address; each
 #: read is one store round trip (about 44 ms with Paddle 3.3.1).
 _STORE_POLL_SECONDS = 0.05
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_ZAP_DOMAIN = b"fd-cudagraph"
+_ZAP_USER = b"fd-cudagraph"
 
 
 def give_up_margin(timeout: float) -> float:
@@ -91,11 +108,46 @@ class Link(Protocol):
     rank: int
     world: int
 
-    def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
-        """Post ``status`` (None: ok) at the next point; return within ``timeout`` seconds."""
+    def agree(self, label: str, status: Status, timeout: float) -> Outcome:
+        """Post ``status`` at the next point; return within ``timeout`` seconds. The outcome's
+        ``channel_failure`` (see ``Agreed``) says when the channel itself failed."""
 
     def next_epoch(self) -> int:
         """A new capture session: points are numbered from 0 again."""
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """A point's outcome as this rank read it, with its own label, or why the channel failed."""
+
+    label: str
+    outcome: Outcome
+    #: Set when the channel itself failed: the server stopped, did not answer, or sent garbage.
+    channel_failure: str = ""
+
+    @property
+    def complete(self) -> bool:
+        o = self.outcome
+        return not o.missing and not o.gave_up and not self.channel_failure
+
+    @property
+    def failures(self) -> dict[int, Failure]:
+        """The failures posted, by rank."""
+        return {
+            rank: status.failure
+            for rank, status in sorted(self.outcome.statuses.items())
+            if status.failure is not None
+        }
+
+    def shared(self) -> list[Any]:
+        """Each rank's payload, in rank order."""
+        statuses = self.outcome.statuses
+        return [statuses[rank].payload for rank in sorted(statuses)]
+
+
+def alone(label: str, rank: int, status: Status, failure: str = "", **outcome: Any) -> Agreed:
+    """An outcome this rank decides without the server: its own status only."""
+    return Agreed(label, Outcome(key=(0, 0), statuses={rank: status}, **outcome), failure)
 
 
 class LocalLink:
@@ -104,38 +156,34 @@ class LocalLink:
     rank = 0
     world = 1
 
-    def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
-        return Outcome(label, {0: status}, labels={0: label})
+    def agree(self, label: str, status: Status, timeout: float) -> Agreed:
+        return Agreed(label, Outcome(key=(0, 0), statuses={0: status}, labels={0: label}))
 
     def next_epoch(self) -> int:
         return 0
 
 
-# ---------------------------------------------------------------------------------- server
+# ---------------------------------------------------------------------------------- decider
 
 
 @dataclass
 class _Point:
     creator: int
     opened: float
-    posts: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    posts: dict[int, Status] = field(default_factory=dict)
     labels: dict[int, str] = field(default_factory=dict)
     gave_up: set[int] = field(default_factory=set)
-    outcome: dict[str, Any] | None = None
+    outcome: Outcome | None = None
     delivered: set[int] = field(default_factory=set)
 
 
-#: Points one rank may hold open (posted first, not yet delivered to every rank). An honest rank
-#: holds one, two across a session's end; more is a rank running ahead of its group.
-MAX_OPEN_POINTS = 2
-
-
 class Decider:
-    """The rules of the server, apart from sockets: posts, give-ups and lost ranks in, one outcome
-    per point out. Decisions are taken in ``settle()``, at the end of each batch of messages, so a
-    give-up wins over a completion that arrived with it; and a point is never completed for a rank
-    whose wait is about to end (its deadline, from the timeout it posted with), so that no rank
-    returns "complete" where another gives up. Not thread-safe: one thread calls it."""
+    """The rules of the server, apart from the transport: posts, give-ups and lost ranks in, one
+    outcome per point out. Decisions are taken in ``settle()``, at the end of each batch of
+    messages, so a give-up wins over a completion that arrived with it; a rank lost before the
+    decision is never counted as arrived; and a point is never completed for a rank whose wait is
+    about to end (its deadline, from the timeout it posted with), so that no rank returns
+    "complete" where another gives up. Not thread-safe: one thread calls it."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -156,7 +204,7 @@ class Decider:
         rank: int,
         key: tuple[int, int],
         label: str,
-        status: Any,
+        status: Status,
         now: float = 0.0,
         timeout: float = float("inf"),
     ) -> None:
@@ -187,13 +235,15 @@ class Decider:
         self._touched.add(key)
 
     def lose(self, rank: int, why: str = "") -> None:
+        """``rank`` is gone (its connection dropped, or it was dropped for what it sent): no
+        point decided from now on counts it, also where it posted already."""
         self.lost.add(rank)
         if why:
-            self.dropped[rank] = why[:MAX_LABEL]
+            self.dropped[rank] = text(why, MAX_LABEL)
         self.waiting.pop(rank, None)
         self._touched.update(self.points)
 
-    def settle(self, now: float = 0.0) -> list[tuple[int, dict[str, Any]]]:
+    def settle(self, now: float = 0.0) -> list[tuple[int, Outcome]]:
         """Decide the points this batch touched; return (rank, outcome) messages to send."""
         out = []
         everyone = set(range(self.world))
@@ -202,18 +252,19 @@ class Decider:
             if point is None:
                 continue
             if point.outcome is None:
-                missing = everyone - set(point.posts)
-                if not missing and not point.gave_up:
+                absent = everyone - set(point.posts)
+                gone = everyone & self.lost
+                if not absent and not gone and not point.gave_up:
                     # Every rank posted; one whose wait ends about now may already be giving up.
                     point.gave_up = {
                         r for r, k in self.waiting.items() if k == key and self.deadlines[r] <= now
                     }
-                if point.gave_up or not missing:
-                    point.outcome = self._decide(key, point, missing, now)
-                elif missing & self.lost:
+                if point.gave_up or not (absent or gone):
+                    point.outcome = self._decide(key, point, absent | gone, now)
+                elif gone:
                     # Decided now, for the ranks that did post: only the lost ones are at fault,
                     # not those still on their way.
-                    point.outcome = self._decide(key, point, missing & self.lost, now)
+                    point.outcome = self._decide(key, point, gone, now)
             if point.outcome is not None:
                 for rank in sorted(r for r, k in self.waiting.items() if k == key):
                     out.append((rank, point.outcome))
@@ -224,62 +275,269 @@ class Decider:
         self._touched.clear()
         return out
 
-    def recheck(self, sent: list[tuple[int, dict[str, Any]]], now: float) -> None:
+    def recheck(self, sent: list[tuple[int, Outcome]], now: float) -> list[tuple[int, Outcome]]:
         """Turn a completion not yet sent into an abandonment for every rank when one of its
-        recipients is past its deadline: that rank may be giving up now. The outcome is the
-        point's own, so a rank that comes later reads the same."""
-        late: dict[int, list[int]] = {}
+        recipients is past its deadline: that rank may be giving up now. The point keeps the
+        changed outcome, so a rank that comes later reads the same."""
+        late: dict[tuple[int, int], list[int]] = {}
         for rank, outcome in sent:
             if self.deadlines.get(rank, now) <= now:
-                late.setdefault(id(outcome), []).append(rank)
+                late.setdefault(outcome.key, []).append(rank)
+        changed: dict[tuple[int, int], Outcome] = {}
         for _, outcome in sent:
-            if id(outcome) in late and not outcome["missing"] and not outcome["gave_up"]:
-                outcome["gave_up"] = sorted(late[id(outcome)])
+            if outcome.key in late and not outcome.missing and not outcome.gave_up:
+                changed[outcome.key] = dataclasses.replace(
+                    outcome, gave_up=tuple(sorted(late[outcome.key]))
+                )
+                point = self.points.get(outcome.key)
+                if point is not None:
+                    point.outcome = changed[outcome.key]
+        return [(rank, changed.get(outcome.key, outcome)) for rank, outcome in sent]
 
     def _decide(
         self, key: tuple[int, int], point: _Point, missing: set[int], now: float
-    ) -> dict[str, Any]:
-        return {
-            "op": "outcome",
-            "key": list(key),
-            "statuses": {str(r): s for r, s in sorted(point.posts.items())},
-            "labels": {str(r): s for r, s in sorted(point.labels.items())},
-            "missing": sorted(missing),
-            "lost": sorted(self.lost & missing),
-            "gave_up": sorted(point.gave_up),
-            "dropped": {str(r): self.dropped[r] for r in sorted(missing) if r in self.dropped},
-            "waited": round(max(now - point.opened, 0.0), 3),
-        }
+    ) -> Outcome:
+        counted = {r: s for r, s in point.posts.items() if r not in missing}
+        return Outcome(
+            key=key,
+            statuses=dict(sorted(counted.items())),
+            labels=dict(sorted(point.labels.items())),
+            missing=tuple(sorted(missing)),
+            lost=tuple(sorted(self.lost & missing)),
+            gave_up=tuple(sorted(point.gave_up)),
+            dropped={r: self.dropped[r] for r in sorted(missing) if r in self.dropped},
+            waited=round(max(now - point.opened, 0.0), 3),
+        )
 
 
-@dataclass(eq=False)
-class _Connection:
-    sock: socket.socket
-    peer: str
-    opened: float
-    rank: int | None = None
-    inbox: bytearray = field(default_factory=bytearray)
-    outbox: bytearray = field(default_factory=bytearray)
+def malformed(rank: int, label: str, why: str) -> Status:
+    """The status of a rank whose own post the channel would not carry: its failure, which every
+    rank reads alike."""
+    return Status(
+        failure=Failure(
+            rank=rank,
+            stage="agreement",
+            where="",
+            mode="the agreement channel",
+            error=text(
+                f"MalformedStatus: rank {rank} posted a status at '{label}' that the channel "
+                f"does not accept ({why}); every rank must run the same fd-cudagraph-plugin",
+                MAX_TEXT,
+            ),
+            out_of_memory=False,
+            explained=True,
+            advice="",
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------- address
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where TP rank 0's server listens. ``endpoint`` is a ZeroMQ endpoint: ``ipc://PATH``
+    (derived by every rank alike: nothing to publish) or ``tcp://HOST`` (bound by rank 0 on a
+    port of ``ports`` or the kernel's choice, then published in the job store with a token)."""
+
+    endpoint: str
+    ports: tuple[int, int] | None = None
+
+    @property
+    def published(self) -> bool:
+        return self.endpoint.startswith("tcp://")
+
+
+class JoinError(RuntimeError):
+    """This rank could not join its group's agreement channel."""
+
+
+def address_for(
+    job: str, name: str, group: list[int], interface: str, ports: tuple[int, int] | None
+) -> Address:
+    """Where the group of ``group`` (global ranks) agrees. ``interface`` is
+    ``FD_CUDAGRAPH_AGREEMENT_INTERFACE`` ("auto", an address or an interface name), ``ports``
+    ``FD_CUDAGRAPH_AGREEMENT_PORTS``; either set means TCP."""
+    if interface != "auto":
+        return Address(f"tcp://{interface}", ports)
+    host = node_host(group)
+    if host is not None or ports is not None:
+        return Address(f"tcp://{host or '127.0.0.1'}", ports)
+    digest = hashlib.sha256(f"{job}\0{name}\0{group}".encode()).hexdigest()[:24]
+    return Address(f"ipc://{private_directory()}/{digest}.sock")
+
+
+def node_host(group: list[int]) -> str | None:
+    """This worker's host when the group spans hosts, else None (every rank is on this host).
+    Paddle's launcher sets ``PADDLE_CURRENT_ENDPOINT`` and ``PADDLE_TRAINER_ENDPOINTS`` (every
+    rank's, by global rank) in every worker; without them the ranks are taken to share a host,
+    as FastDeploy's single-node launch does."""
+    host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "").rpartition(":")[0]
+    if not host:
+        return None
+    endpoints = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
+    if not endpoints or any(r >= len(endpoints) for r in group):
+        return host  # where the ranks are is unknown: reachable from other hosts
+    if all(endpoints[r].rpartition(":")[0] == host for r in group):
+        return None
+    return host
+
+
+def private_directory() -> str:
+    """A directory only this user can enter, for the group's Unix socket: made with mode 0700,
+    and refused if it exists as anything else (another user's, a link, open to others)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"fd-cudagraph-{os.geteuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.geteuid()
+        or stat.S_IMODE(info.st_mode) & 0o077
+    ):
+        raise JoinError(
+            f"{path} exists but is not a directory private to this user (mode "
+            f"{stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}); the ranks' Unix socket goes "
+            f"there. Remove it, or set XDG_RUNTIME_DIR to a private directory"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------- sockets
+
+
+_descriptors_checked = False
+
+
+def keep_standard_descriptors() -> None:
+    """Fill a closed descriptor 0, 1 or 2 with ``/dev/null`` before the first socket opens: a
+    socket that took fd 2 would receive every line written to stderr (it happened: FastDeploy's
+    console log went into the old channel, every rank stopped)."""
+    global _descriptors_checked
+    if _descriptors_checked:
+        return
+    _descriptors_checked = True
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            spare = os.open(os.devnull, os.O_RDWR)
+            if spare != fd:
+                os.dup2(spare, fd)
+                os.close(spare)
+
+
+class Context(zmq.Context):
+    """A ZeroMQ context of the plugin's own (FastDeploy's sockets live in others), which the
+    garbage collector never terminates: pyzmq's ``__del__`` does, and a context collected with
+    its sockets (a link nobody closed) blocks the collecting thread in ``zmq_ctx_term`` for ever,
+    since the sockets' weak references are gone by then. Its sockets close themselves when they
+    are collected; closing a link or a server terminates its context."""
+
+    def __init__(self) -> None:
+        keep_standard_descriptors()
+        super().__init__(io_threads=1)
+        self.setsockopt(zmq.LINGER, 0)
+
+    def __del__(self) -> None:
+        pass
+
+
+def _context() -> Context:
+    return Context()
+
+
+def _tune(sock: zmq.Socket, most: int) -> None:
+    sock.setsockopt(zmq.MAXMSGSIZE, most)
+    sock.setsockopt(zmq.SNDHWM, QUEUE)
+    sock.setsockopt(zmq.RCVHWM, QUEUE)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_SECONDS * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_SECONDS * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_SECONDS * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT_SECONDS * 1000))
+
+
+def _bind(sock: zmq.Socket, address: Address) -> str:
+    """Bind ``sock`` as ``address`` says; return the endpoint peers connect to."""
+    if not address.published:
+        sock.bind(address.endpoint)
+        return address.endpoint
+    if address.ports is None:
+        sock.bind(f"{address.endpoint}:0")
+    else:
+        low, high = address.ports
+        for port in range(low, high + 1):
+            try:
+                sock.bind(f"{address.endpoint}:{port}")
+                break
+            except zmq.ZMQError as error:
+                if error.errno != zmq.EADDRINUSE:
+                    raise
+        else:
+            raise JoinError(
+                f"every port of FD_CUDAGRAPH_AGREEMENT_PORTS={low}-{high} is in use on "
+                f"{address.endpoint[6:]}; widen the range"
+            )
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+# ---------------------------------------------------------------------------------- server
 
 
 class Server(threading.Thread):
-    """TP rank 0's agreement server: one selector loop, one decider, nothing that blocks."""
+    """TP rank 0's agreement server: one ROUTER, one Decider, one thread, nothing that blocks.
 
-    def __init__(self, world: int, host: str, token: str) -> None:
+    Each turn it reads a batch of messages, then the disconnections libzmq reported (a rank's
+    connection is known by its file descriptor, which ZeroMQ attaches to each message), applies
+    the disconnections first (a rank known lost is never counted as arrived), then the batch,
+    then decides and sends."""
+
+    def __init__(self, world: int, address: Address, token: str | None) -> None:
         super().__init__(name="fd-cudagraph-agreement", daemon=True)
         self.world = world
         self.token = token
         self.decider = Decider(world)
-        self.listener = socket.create_server((host, 0))
-        self.listener.setblocking(False)
-        self.address = self.listener.getsockname()[:2]
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ)
-        self.connections: dict[socket.socket, _Connection] = {}
-        self.ranks: dict[int, _Connection] = {}
+        self.context = _context()
+        self.router = self.context.socket(zmq.ROUTER)
+        _tune(self.router, MAX_TO_SERVER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.zap: zmq.Socket | None = None
+        if token is not None:
+            # ZeroMQ's own authentication: libzmq asks this handler (ZAP, RFC 27) at each
+            # handshake, and a peer without the token is refused before it is a peer.
+            self.zap = self.context.socket(zmq.REP)
+            self.zap.bind(_ZAP_ENDPOINT)
+            self.router.setsockopt(zmq.PLAIN_SERVER, 1)
+            self.router.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.control = self.context.socket(zmq.PAIR)
+        self.control.bind(f"inproc://fd-cudagraph-control-{id(self)}")
+        self._wake = self.context.socket(zmq.PAIR)
+        self._wake_lock = threading.Lock()
+        self._wake.connect(f"inproc://fd-cudagraph-control-{id(self)}")
+        #: The Unix socket's file and inode, removed at the end (libzmq leaves it), unless a
+        #: later server of the same job has bound it again since.
+        self._socket_file: tuple[str, int] | None = None
+        #: Where rank 0's own link connects: in the process, through no I/O thread and no
+        #: socket (ZeroMQ's inproc transport, in this server's context).
+        self.inproc = f"inproc://fd-cudagraph-agreement-{id(self)}"
+        try:
+            self.router.bind(self.inproc)
+            self.endpoint = _bind(self.router, address)
+            if not address.published:
+                path = address.endpoint[len("ipc://") :]
+                self._socket_file = (path, os.stat(path).st_ino)
+        except BaseException:
+            self._wake.close(linger=0)
+            self._close_all()
+            raise
+        #: Routing identity -> rank, for welcomed ranks; and each rank's descriptor.
+        self.ranks: dict[bytes, int] = {}
+        self.identity_of: dict[int, bytes] = {}
+        self.rank_of_fd: dict[int, int] = {}
         #: Why the loop stopped, if it ever does: every rank is told, rank 0's link reads it.
         self.failure: str | None = None
-        self._accept_paused_until = 0.0
         self._warned: set[str] = set()
         self._stopping = False
 
@@ -287,251 +545,247 @@ class Server(threading.Thread):
 
     def run(self) -> None:
         try:
+            poller = zmq.Poller()
+            for sock in (self.router, self.monitor, self.control, self.zap):
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
             while not self._stopping:
-                self._turn()
+                self._turn(dict(poller.poll(1000)))
         except BaseException as error:
-            self.failure = f"{type(error).__name__}: {error}"
+            self.failure = text(f"{type(error).__name__}: {error}", MAX_TEXT)
             logger.error("fd-cudagraph agreement server failed: %s", self.failure, exc_info=True)
-            self._tell_everyone_and_close()
-
-    def stop(self) -> None:
-        """End the loop and close every socket (tests, and rank 0's link when it closes)."""
-        self._stopping = True
-        with contextlib.suppress(OSError):
-            socket.create_connection(self.address, timeout=1).close()  # wake the selector
-
-    def _turn(self) -> None:
-        now = time.monotonic()
-        if self._accept_paused_until and now >= self._accept_paused_until:
-            self._accept_paused_until = 0.0
-            self.selector.register(self.listener, selectors.EVENT_READ)
-        events = self.selector.select(self._wait(now))
-        batch: list[tuple[_Connection, Any]] = []
-        for key, mask in events:
-            if key.fileobj is self.listener:
-                self._accept()
-                continue
-            connection = key.data
-            if connection.sock not in self.connections:
-                continue  # dropped earlier in this turn
-            if mask & selectors.EVENT_READ:
-                self._read(connection, batch)
-            if mask & selectors.EVENT_WRITE and connection.sock in self.connections:
-                self._flush(connection)
-        for connection, message in batch:
-            if connection.sock in self.connections:
-                try:
-                    self._handle(connection, message)
-                except BadMessage as error:
-                    self._drop(connection, str(error))
-                except Exception as error:
-                    if connection.rank is not None:
-                        raise  # the server's own fault: every rank is told (run)
-                    self._drop(connection, f"{type(error).__name__}")
-        self._expire_hellos(time.monotonic())
-        # A rank dropped while its outcome is queued (it read none of its replies) is lost, and
-        # the points it held are decided again at once.
-        while sent := self.decider.settle(time.monotonic()):
-            # Checked again right before sending: a stall since the decision (this process
-            # starved) may have run a rank past its deadline.
-            self.decider.recheck(sent, time.monotonic())
-            for rank, outcome in sent:
-                target = self.ranks.get(rank)
-                if target is not None:
-                    self._queue(target, frame(outcome))
-        if self._stopping:
+            self._tell_everyone()
+        finally:
             self._close_all()
 
-    def _wait(self, now: float) -> float | None:
-        deadlines = [c.opened + HELLO_SECONDS for c in self.connections.values() if c.rank is None]
-        if self._accept_paused_until:
-            deadlines.append(self._accept_paused_until)
-        return max(min(deadlines) - now, 0.0) if deadlines else None
+    def stop(self) -> None:
+        """End the loop and close every socket (tests, and rank 0's link when it closes). The
+        waking socket is this thread's: ZeroMQ sockets are never shared between threads, and the
+        loop's context ends once it is closed."""
+        self._stopping = True
+        with self._wake_lock:
+            if not self._wake.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._wake.send(b"", _NOBLOCK)
+                self._wake.close(linger=0)
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(5)
 
-    # -- connections
-
-    def _accept(self) -> None:
-        try:
-            sock, peer = self.listener.accept()
-        except BlockingIOError:
-            return
-        except OSError as error:
-            # Out of descriptors (EMFILE) or the like: make room by dropping the oldest
-            # connection without a hello, and stop watching the listener for a moment instead of
-            # spinning on it; never for good.
-            self._warn_once("accept", "cannot accept a connection (%s); retrying", error)
-            pending = [c for c in self.connections.values() if c.rank is None]
-            if pending:
-                self._drop(min(pending, key=lambda c: c.opened), "out of descriptors")
-            self._accept_paused_until = time.monotonic() + 0.05
-            self.selector.unregister(self.listener)
-            return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        pending = [c for c in self.connections.values() if c.rank is None]
-        if len(pending) >= MAX_PENDING:
-            self._drop(min(pending, key=lambda c: c.opened), "too many connections without hello")
-        connection = _Connection(sock, f"{peer[0]}:{peer[1]}", time.monotonic())
-        self.connections[sock] = connection
-        self.selector.register(sock, selectors.EVENT_READ, connection)
-
-    def _read(self, connection: _Connection, batch: list) -> None:
-        try:
-            chunk = connection.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as error:
-            self._drop(connection, f"read failed ({error})")
-            return
-        if not chunk:
-            self._drop(connection, "closed")
-            return
-        connection.inbox += chunk
-        # A rank sends nothing after its hello before the welcome: what follows a hello in the
-        # same read is held to the hello's cap too.
-        cap = MAX_POST_BYTES if connection.rank is not None else MAX_HELLO_BYTES
-        try:
-            while (message := take_frame(connection.inbox, cap)) is not INCOMPLETE:
-                batch.append((connection, message))
-        except BadMessage as error:
-            self._drop(connection, str(error))
-
-    def _handle(self, connection: _Connection, message: Any) -> None:
-        if type(message) is not dict:
-            raise BadMessage("a message must be a JSON object")
-        op = message.get("op")
-        if connection.rank is None:
-            if op != "hello":
-                raise BadMessage("the first message must be a hello")
-            self._hello(connection, message)
-            return
-        key = parse_key(message.get("key"))
-        if op == "post":
-            label = text_field(message.get("label"), "label", MAX_LABEL)
-            timeout = message.get("timeout")
-            if type(timeout) not in (int, float) or not 0 < timeout <= 86400:
-                raise BadMessage("a post needs its timeout, in seconds")
-            if "status" not in message:
-                raise BadMessage("a post needs a status")
+    def _turn(self, ready: dict) -> None:
+        if self.control in ready:
+            with contextlib.suppress(zmq.Again):
+                self.control.recv(_NOBLOCK)
+        if self.zap is not None and self.zap in ready:
+            self._authenticate()
+        batch = self._read() if self.router in ready else []
+        for fd in self._disconnections():
+            rank = self.rank_of_fd.pop(fd, None)
+            if rank is not None and self.identity_of.get(rank) is not None:
+                self._forget(rank)
+                self.decider.lose(rank)
+        for identity, fd, body in batch:
+            rank = self.ranks.get(identity)
             try:
-                status = check_status(message["status"], self.world)
-            except (ValueError, TypeError, OverflowError, RecursionError) as error:
-                # From a rank of the group (it had the token): a failure of that rank, which
-                # every rank reads in the same outcome, never a KeyError on one of them.
-                status = malformed_status(connection.rank, label, str(error)[:MAX_LABEL])
-            self.decider.post(connection.rank, key, label, status, time.monotonic(), timeout)
-        elif op == "give_up":
-            self.decider.give_up(connection.rank, key)
-        else:
-            raise BadMessage(f"unknown op {op!r}"[:80])
+                self._handle(identity, rank, fd, body)
+            except BadMessage as error:
+                if rank is None:
+                    self._warn_once(
+                        "stranger",
+                        "fd-cudagraph agreement server refused a message from a connection that "
+                        "is not a rank of its group (%s); further ones are refused without a log "
+                        "line. Only the tensor-parallel ranks of this worker group should reach "
+                        "it.",
+                        error,
+                    )
+                    self._send(identity, Dropped(why=text(error, MAX_LABEL)))
+                else:
+                    self._drop(rank, str(error))
+        sent = self.decider.settle(time.monotonic())
+        while sent:
+            encoded: dict[int, bytes] = {}  # an outcome is the same bytes for every rank
+            # Checked again right before sending: a stall since the decision (this process
+            # starved) may have run a rank past its deadline.
+            for rank, outcome in self.decider.recheck(sent, time.monotonic()):
+                identity = self.identity_of.get(rank)
+                if identity is None:
+                    continue
+                body = encoded.get(id(outcome)) or encoded.setdefault(id(outcome), encode(outcome))
+                if not self._send(identity, body):
+                    self._drop(rank, "does not read its replies or is gone")
+            # A rank lost while sending is lost for the points it held: decided again now.
+            sent = self.decider.settle(time.monotonic())
 
-    def _hello(self, connection: _Connection, message: dict[str, Any]) -> None:
-        token = message.get("token")
-        if type(token) is not str or not secrets.compare_digest(token, self.token):
-            raise BadMessage("wrong token")
-        if message.get("protocol") != PROTOCOL:
-            self._refuse(connection, f"protocol {message.get('protocol')!r}, server {PROTOCOL}")
+    def _read(self) -> list[tuple[bytes, int, bytes]]:
+        batch = []
+        for _ in range(QUEUE * 4):
+            if not _readable(self.router):
+                break
+            frames = self.router.recv_multipart(_NOBLOCK, copy=False)
+            if len(frames) != 2:
+                continue  # a DEALER sends one frame; anything else is not a rank of ours
+            identity, body = frames
+            batch.append((identity.bytes, _descriptor(body), body.bytes))
+        return batch
+
+    def _disconnections(self) -> list[int]:
+        found = []
+        while _readable(self.monitor):
+            event = parse_monitor_message(self.monitor.recv_multipart(_NOBLOCK))
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                found.append(int(event["value"]))
+        return found
+
+    def _authenticate(self) -> None:
+        """Answer libzmq's ZAP requests (RFC 27): PLAIN, with the job's token as password."""
+        while True:
+            try:
+                request = self.zap.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            version, request_id = [*request, b"", b""][:2]
+            mechanism = request[5] if len(request) > 5 else b""
+            credentials = request[6:]
+            good = (
+                version == b"1.0"
+                and mechanism == b"PLAIN"
+                and len(credentials) == 2
+                and credentials[0] == _ZAP_USER
+                and hmac.compare_digest(credentials[1], (self.token or "").encode())
+            )
+            code, why = (b"200", b"OK") if good else (b"400", b"wrong token")
+            self.zap.send_multipart(
+                [b"1.0", request_id, code, why, _ZAP_USER if good else b"", b""]
+            )
+            if not good:
+                self._warn_once(
+                    "token",
+                    "fd-cudagraph agreement server refused a connection without the job's token; "
+                    "further ones are refused without a log line. Only the tensor-parallel ranks "
+                    "of this worker group should reach it.",
+                )
+
+    def _handle(self, identity: bytes, rank: int | None, fd: int, body: bytes) -> None:
+        if rank is None:
+            message = decode(body, (Hello,), MAX_TO_SERVER)
+            self._hello(identity, fd, message)  # type: ignore[arg-type]
             return
-        rank = message.get("rank")
-        if type(rank) is not int or not 0 <= rank < self.world:
-            self._refuse(connection, f"rank {rank!r} is not in 0..{self.world - 1}")
+        raw = parse(body)
+        op = raw.get("op") if type(raw) is dict else None
+        if op == "post":
+            if "status" not in raw:
+                raise BadMessage("a post needs a status")
+            post = Post.check({**raw, "status": _OK})
+            try:
+                status = Status.check(raw["status"])
+                if status.failure is not None and status.failure.rank != rank:
+                    raise BadMessage(f"failure.rank is {status.failure.rank}, not {rank}")
+            except BadMessage as error:
+                # From a rank of the group: a failure of that rank, which every rank reads in
+                # the same outcome, never a KeyError on one of them.
+                status = malformed(rank, post.label, text(error, MAX_LABEL))
+            self.decider.post(rank, post.key, post.label, status, time.monotonic(), post.timeout)
+        elif op == "give_up":
+            self.decider.give_up(rank, GiveUp.check(raw).key)
+        else:
+            raise BadMessage(f"unknown op {str(op)[:40]!r}")
+
+    def _hello(self, identity: bytes, fd: int, hello: Hello) -> None:
+        if hello.protocol != PROTOCOL:
+            self._refuse(identity, f"protocol {hello.protocol}, server {PROTOCOL}")
             return
-        if rank in self.ranks or rank in self.decider.lost:
-            first = self.ranks[rank].peer if rank in self.ranks else "a connection now closed"
+        rank = hello.rank
+        if rank >= self.world:
+            self._refuse(identity, f"rank {rank} is not in 0..{self.world - 1}")
+            return
+        if rank in self.identity_of or rank in self.decider.lost:
             self._warn_once(
                 f"claim{rank}",
-                "a connection from %s claimed tensor-parallel rank %d, which %s holding the "
-                "job's token claimed first; the first keeps it",
-                connection.peer,
+                "a connection claimed tensor-parallel rank %d, which another connection claimed "
+                "first; the first keeps it",
                 rank,
-                first,
             )
-            self._refuse(
-                connection,
-                f"rank {rank} was claimed first by {first} (a process holding the job's token)",
-            )
+            first = "a connection now closed" if rank in self.decider.lost else "another peer"
+            self._refuse(identity, f"rank {rank} was claimed first by {first}")
             return
-        connection.rank = rank
-        self.ranks[rank] = connection
-        self._queue(connection, frame({"op": "welcome"}))
+        self.ranks[identity] = rank
+        self.identity_of[rank] = identity
+        if fd >= 0:
+            self.rank_of_fd[fd] = rank
+        if not self._send(identity, Welcome()):
+            self._drop(rank, "gone before its welcome")
 
-    def _refuse(self, connection: _Connection, why: str) -> None:
-        with contextlib.suppress(OSError):
-            connection.sock.send(frame({"op": "refused", "why": why}))
-        self._drop(connection, f"refused: {why}")
+    def _refuse(self, identity: bytes, why: str) -> None:
+        self._send(identity, Refused(why=text(why, MAX_LABEL)))
 
-    def _expire_hellos(self, now: float) -> None:
-        for connection in list(self.connections.values()):
-            if connection.rank is None and now - connection.opened > HELLO_SECONDS:
-                self._drop(connection, f"no hello within {HELLO_SECONDS:.0f} s")
-
-    def _queue(self, connection: _Connection, data: bytes) -> None:
-        connection.outbox += data
-        if len(connection.outbox) > MAX_OUTBOX_BYTES:
-            self._drop(connection, "does not read its replies")
-            return
-        self._flush(connection)
-
-    def _flush(self, connection: _Connection) -> None:
+    def _send(self, identity: bytes, message: Any) -> bool:
+        """Queue ``message`` for a peer without blocking; False if it cannot take it (gone, or
+        its queue is full: it does not read)."""
+        body = message if isinstance(message, bytes) else encode(message)
         try:
-            sent = connection.sock.send(connection.outbox) if connection.outbox else 0
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as error:
-            self._drop(connection, f"write failed ({error})")
-            return
-        del connection.outbox[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.outbox else 0)
-        self.selector.modify(connection.sock, events, connection)
+            self.router.send_multipart([identity, body], _NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
-    def _drop(self, connection: _Connection, why: str) -> None:
-        if self.connections.pop(connection.sock, None) is None:
-            return
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(connection.sock)
-        connection.sock.close()
-        if connection.rank is not None and self.ranks.get(connection.rank) is connection:
-            del self.ranks[connection.rank]
-            self.decider.lose(connection.rank, "" if why == "closed" else why)
-            if why != "closed":
-                logger.warning(
-                    "fd-cudagraph agreement server dropped tensor-parallel rank %d: %s",
-                    connection.rank,
-                    why,
-                )
-        elif connection.rank is None:
-            self._warn_once(
-                "stranger",
-                "fd-cudagraph agreement server dropped a connection from %s that is not a rank "
-                "of its group (%s); further ones are dropped without a log line. Only the "
-                "tensor-parallel ranks of this worker group should reach this port.",
-                connection.peer,
-                why,
-            )
+    def _drop(self, rank: int, why: str) -> None:
+        identity = self.identity_of.get(rank)
+        if identity is not None:
+            self._send(identity, Dropped(why=text(why, MAX_LABEL)))
+        self._forget(rank)
+        self.decider.lose(rank, why)
+        logger.warning(
+            "fd-cudagraph agreement server dropped tensor-parallel rank %d: %s", rank, why
+        )
+
+    def _forget(self, rank: int) -> None:
+        identity = self.identity_of.pop(rank, None)
+        self.ranks.pop(identity, None)
+        for fd in [fd for fd, r in self.rank_of_fd.items() if r == rank]:
+            del self.rank_of_fd[fd]
 
     def _warn_once(self, kind: str, message: str, *args: Any) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning(message, *args)
 
-    def _close_all(self) -> None:
-        for connection in list(self.connections.values()):
-            with contextlib.suppress(OSError):
-                connection.sock.close()
-        self.connections.clear()
-        self.ranks.clear()
-        with contextlib.suppress(OSError):
-            self.listener.close()
-        with contextlib.suppress(Exception):
-            self.selector.close()
+    def _tell_everyone(self) -> None:
+        notice = ServerFailed(why=self.failure or "")
+        for identity in list(self.identity_of.values()):
+            with contextlib.suppress(Exception):  # best effort: nothing may block here
+                self._send(identity, notice)
 
-    def _tell_everyone_and_close(self) -> None:
-        notice = frame({"op": "failed", "why": (self.failure or "")[:MAX_TEXT]})
-        for connection in list(self.ranks.values()):
-            # Best effort, without blocking: a rank that reads nothing must not delay the others.
+    def _close_all(self) -> None:
+        for sock in (self.router, self.monitor, self.control, self.zap):
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close(linger=0)
+        with contextlib.suppress(Exception):
+            self.context.term()
+        if self._socket_file is not None:
+            path, inode = self._socket_file
             with contextlib.suppress(OSError):
-                connection.sock.send(bytes(connection.outbox) + notice)
-        self._close_all()
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+
+
+# pyzmq's constants are enums, whose operators cost microseconds a call on the agreement's path.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_OK = Status().to_json()
+
+
+def _readable(sock: zmq.Socket) -> bool:
+    """A message waits on ``sock`` (asked without raising ``zmq.Again`` for every turn)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
+def _descriptor(frame: zmq.Frame) -> int:
+    """The file descriptor of the connection ``frame`` came on (libzmq's ``ZMQ_SRCFD``), which
+    its disconnection event names; -1 where libzmq does not say (then a dead rank is found when
+    a reply to it fails, or at its peers' timeout)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return -1
 
 
 # ---------------------------------------------------------------------------------- client
@@ -547,66 +801,69 @@ class Store(Protocol):
     def add(self, key: str, amount: int) -> int: ...
 
 
-class JoinError(RuntimeError):
-    """This rank could not join its group's agreement channel."""
-
-
 _TIMED_OUT = object()
 _CLOSED = object()
 
 
-class SocketLink:
-    """A rank's connection to its group's agreement server (hosted by the group's rank 0)."""
+class ZmqLink:
+    """A rank's DEALER to its group's agreement server (hosted by the group's rank 0)."""
 
-    def __init__(self, sock: socket.socket, rank: int, world: int, server: Server | None) -> None:
-        self._sock = sock
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        endpoint: str,
+        token: str | None,
+        server: Server | None = None,
+    ) -> None:
         self.rank = rank
         self.world = world
-        self._server = server  # kept alive with the link on rank 0
+        #: The server this rank hosts (rank 0), kept alive with the link; its link connects in
+        #: the process (``Server.inproc``), in the server's context.
+        self.server = server
+        self.endpoint = server.inproc if server is not None else endpoint
+        self._context = server.context if server is not None else _context()
+        self._sock = self._context.socket(zmq.DEALER)
+        _tune(self._sock, max_message_bytes(world))
+        if token is not None:
+            self._sock.setsockopt(zmq.PLAIN_USERNAME, _ZAP_USER)
+            self._sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        )
+        self._sock.connect(self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        #: What the connection's monitor said: the handshake succeeded; the connection dropped
+        #: after that (TP rank 0's process is gone); the server refused the handshake.
+        self._connected = self._closed = self._refused = False
         self._epoch = -1
         self._point = 0
         self._lock = threading.Lock()
-        self._inbox = bytearray()
         #: Set once the channel failed for good: every later point fails at once with it.
         self._broken = ""
 
-    @classmethod
-    def connect(
-        cls, store: Store, prefix: str, rank: int, world: int, host: str, timeout: float
-    ) -> SocketLink:
-        """Rank 0 starts the server and publishes its address in ``store`` under ``prefix``;
-        every rank waits for it (at most ``timeout`` seconds), connects and is welcomed."""
-        server = None
-        if rank == 0:
-            server = Server(world, host, secrets.token_hex(16))
-            server.start()
-            address = {"host": server.address[0], "port": server.address[1]}
-            store.set(f"{prefix}/server", json.dumps({**address, "token": server.token}))
-            store.add(f"{prefix}/ready", 1)
-            logger.info(
-                "fd-cudagraph agreement: tensor-parallel rank 0 of %d listens on %s:%d",
-                world,
-                *server.address,
-            )
-        deadline = time.monotonic() + timeout
-        while store.add(f"{prefix}/ready", 0) < 1:
-            if time.monotonic() >= deadline:
-                raise JoinError(
-                    f"tensor-parallel rank 0 did not start the CUDA graph agreement server within "
-                    f"{timeout:.0f} s"
-                )
-            time.sleep(_STORE_POLL_SECONDS)
-        published = _published(store.get(f"{prefix}/server"))
+    # -- joining
+
+    def hello(self, deadline: float) -> None:
+        """Say which rank this is and wait for the welcome, until ``deadline``."""
+        self._sock.send(encode(Hello(protocol=PROTOCOL, rank=self.rank)))
         while True:
-            try:
-                sock = _join(published, rank, max(deadline - time.monotonic(), 0.5))
-                break
-            except _Retry as error:
-                # Dropped before the welcome (a flood of connections evicted it): once more.
-                if time.monotonic() >= deadline:
-                    raise JoinError(f"the agreement server dropped this rank: {error}") from None
-                time.sleep(_STORE_POLL_SECONDS)
-        return cls(sock, rank, world, server)
+            message = self._receive(deadline - time.monotonic())
+            if message is _TIMED_OUT:
+                raise _NoAnswer()
+            if message is _CLOSED:
+                raise JoinError("the connection to the agreement server dropped before its welcome")
+            if isinstance(message, str):
+                raise JoinError(message)
+            if isinstance(message, Welcome):
+                return
+            if isinstance(message, (Refused, Dropped)):
+                raise JoinError(f"the agreement server refused rank {self.rank}: {message.why}")
 
     def next_epoch(self) -> int:
         with self._lock:
@@ -615,42 +872,42 @@ class SocketLink:
             return self._epoch
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        if self._server is not None:
-            self._server.stop()
+        for sock in (self._sock, self._monitor):
+            with contextlib.suppress(Exception):
+                sock.close(linger=0)
+        if self.server is not None:
+            self.server.stop()  # it ends the context it shares with this link
+        else:
+            with contextlib.suppress(Exception):
+                self._context.term()
 
-    def agree(self, label: str, status: dict[str, Any] | None, timeout: float) -> Outcome:
+    # -- points
+
+    def agree(self, label: str, status: Status, timeout: float) -> Agreed:
         with self._lock:
-            key = [self._epoch, self._point]
+            key = (self._epoch, self._point)
             self._point += 1
-            started = time.monotonic()
-            reply = self._exchange(key, label, status, timeout, started)
+            reply = self._exchange(key, label, status, timeout)
             if isinstance(reply, str):
-                return Outcome(label, {self.rank: status}, channel_failure=reply)
+                return alone(label, self.rank, status, reply)
             if reply is _CLOSED:  # the server is gone: TP rank 0's process exited
-                return Outcome(label, {self.rank: status}, (0,), (0,))
-            return dataclasses.replace(reply, label=label)
+                return alone(label, self.rank, status, missing=(0,), lost=(0,))
+            return Agreed(label, reply)
 
-    def _exchange(self, key, label, status, timeout, started) -> Any:
+    def _exchange(self, key: tuple[int, int], label: str, status: Status, timeout: float) -> Any:
         """The outcome of point ``key``; ``_CLOSED``; or why the channel failed (a str)."""
         if self._broken:
             return self._broken
+        started = time.monotonic()
         end = started + timeout
         give_up_at = end - give_up_margin(timeout)
-        try:
-            self._sock.sendall(post_frame(key, label, status, self.rank, timeout))
-        except OSError:
-            return self._gone()
+        self._sock.send(_post(key, label, status, self.rank, timeout))
         gave_up = False
         while True:
             now = time.monotonic()
             if not gave_up and now >= give_up_at:
                 gave_up = True
-                try:
-                    self._sock.sendall(frame({"op": "give_up", "key": key}))
-                except OSError:
-                    return self._gone()
+                self._sock.send(encode(GiveUp(key=key)))
                 continue
             if gave_up and now >= end:
                 # The server answers a give-up at once; it did not: it is stalled (rank 0's
@@ -658,7 +915,7 @@ class SocketLink:
                 # is decided first by a server that wakes up.
                 return self._fail_for_good(
                     f"the agreement server on tensor-parallel rank 0 did not answer within "
-                    f"{timeout:.0f} s (FD_CUDAGRAPH_RANK_TIMEOUT)"
+                    f"{now - started:.3g} s (FD_CUDAGRAPH_RANK_TIMEOUT, {timeout:g} s)"
                 )
             message = self._receive((give_up_at if not gave_up else end) - now)
             if message is _TIMED_OUT:
@@ -667,126 +924,203 @@ class SocketLink:
                 return self._gone()
             if isinstance(message, str):
                 return self._fail_for_good(message)
-            op = message.get("op")
-            if op == "failed":
-                why = message.get("why") if type(message.get("why")) is str else ""
+            if isinstance(message, ServerFailed):
                 return self._fail_for_good(
-                    f"the agreement server on tensor-parallel rank 0 failed ({why[:MAX_TEXT]})"
+                    f"the agreement server on tensor-parallel rank 0 failed ({message.why})"
                 )
-            if op != "outcome" or message.get("key") != key:
+            if isinstance(message, Dropped):
+                return self._fail_for_good(
+                    f"the agreement server dropped tensor-parallel rank {self.rank}: {message.why}"
+                )
+            if not isinstance(message, Outcome) or message.key != key:
                 continue  # a late reply to an earlier point: never taken for this one
-            try:
-                return check_outcome(message, self.world)
-            except BadMessage as error:
-                return self._fail_for_good(
-                    f"the agreement server sent a malformed outcome ({error})"
-                )
+            if not message.fits(self.world):
+                return self._fail_for_good("the agreement server sent an outcome of other ranks")
+            return message
 
     def _receive(self, seconds: float) -> Any:
-        """The next message; ``_TIMED_OUT``; ``_CLOSED``; or a str saying what was wrong."""
-        cap = max_reply_bytes(self.world)
+        """The next message; ``_TIMED_OUT``; ``_CLOSED``; or a str saying what was wrong. What
+        arrived before the connection dropped is read first."""
+        deadline = time.monotonic() + max(seconds, 0.0)
         while True:
-            try:
-                message = take_frame(self._inbox, cap)
-            except BadMessage as error:
-                return f"the agreement server sent a malformed reply ({error})"
-            if message is not INCOMPLETE:
-                return message if type(message) is dict else "the agreement server sent garbage"
-            self._sock.settimeout(max(seconds, 0.001))
-            try:
-                chunk = self._sock.recv(65536)
-            except TimeoutError:
+            if _readable(self._sock):
+                try:
+                    return decode(self._sock.recv(), TO_RANK, max_message_bytes(self.world))
+                except BadMessage as error:
+                    return f"the agreement server sent a malformed reply ({error})"
+            if self._closed:
+                return _CLOSED
+            if self._refused:
+                return "the agreement server refused this rank's handshake (the job's token)"
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return _TIMED_OUT
-            except OSError:
-                return _CLOSED
-            finally:
-                with contextlib.suppress(OSError):
-                    self._sock.settimeout(None)
-            if not chunk:
-                return _CLOSED
-            self._inbox += chunk
+            if self._monitor in dict(self._poller.poll(max(int(left * 1000), 1))):
+                event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._connected = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._closed = self._connected
+                else:  # a failed handshake: the server refused this rank's token
+                    self._refused = True
 
     def _gone(self) -> Any:
         """The connection closed: a server that failed said why first; else rank 0 exited."""
-        server_failure = self._server.failure if self._server is not None else None
-        if server_failure:
+        failure = self.server.failure if self.server is not None else None
+        if failure:
             return self._fail_for_good(
-                f"the agreement server on tensor-parallel rank 0 failed ({server_failure})"
+                f"the agreement server on tensor-parallel rank 0 failed ({failure})"
             )
         return _CLOSED
 
     def _fail_for_good(self, why: str) -> str:
-        self._broken = why
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        return why
+        self._broken = text(why, MAX_TEXT)
+        return self._broken
 
 
-class _Retry(Exception):
+class _NoAnswer(Exception):
     pass
 
 
-def _published(raw: bytes) -> dict[str, Any]:
-    """Rank 0's address and token, as read back from the job store."""
+def _post(key: tuple[int, int], label: str, status: Status, rank: int, timeout: float) -> bytes:
+    """A post's bytes. A status the channel would refuse (too large, not JSON) becomes this
+    rank's failure, so that every rank stops on it with the reason."""
+    label = text(label, MAX_LABEL)
+    post = Post(key=key, label=label, timeout=timeout, status=status)
     try:
-        published = json.loads(raw)
-        host, port, token = published["host"], published["port"], published["token"]
-    except (ValueError, KeyError, TypeError):
-        raise JoinError("the agreement server's address in the job store is malformed") from None
-    if type(host) is not str or type(port) is not int or type(token) is not str:
-        raise JoinError("the agreement server's address in the job store is malformed")
-    return {"host": host, "port": port, "token": token}
+        body = encode(post)
+    except (TypeError, ValueError) as error:
+        why = f"it is not JSON ({type(error).__name__}: {error})"
+    else:
+        if len(body) <= MAX_TO_SERVER:
+            return body
+        why = f"it is {len(body)} bytes, over the channel's {MAX_TO_SERVER}"
+    return encode(dataclasses.replace(post, status=malformed(rank, label, text(why, MAX_LABEL))))
 
 
-def _join(published: dict[str, Any], rank: int, seconds: float) -> socket.socket:
-    sock = socket.create_connection((published["host"], published["port"]), timeout=seconds)
+# ---------------------------------------------------------------------------------- joining
+
+
+def join(
+    store: Callable[[], Store] | None,
+    prefix: str,
+    address: Address,
+    rank: int,
+    world: int,
+    timeout: float,
+) -> ZmqLink:
+    """This rank's link to its group's channel, within ``timeout`` seconds in all. Rank 0 starts
+    the server first. A Unix socket needs nothing more; a TCP server's endpoint and token travel
+    through the job store (``store`` makes the client), each call of it bounded too."""
+    started = time.monotonic()
+    deadline = started + timeout
+    server = None
+    token = secrets.token_hex(16) if address.published else None
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = {"op": "hello", "protocol": PROTOCOL, "rank": rank, "token": published["token"]}
-        sock.sendall(frame(hello))
-        inbox = bytearray()
-        while (reply := take_frame(inbox, 4096)) is INCOMPLETE:
-            chunk = sock.recv(4096)
-            if not chunk:
-                raise _Retry("closed before the welcome")
-            inbox += chunk
-        if type(reply) is not dict or reply.get("op") != "welcome":
-            why = reply.get("why") if type(reply) is dict else None
-            raise JoinError(f"the agreement server refused rank {rank}: {why}")
-        sock.settimeout(None)
-        return sock
-    except (OSError, BadMessage) as error:
-        sock.close()
-        if isinstance(error, TimeoutError):
-            raise JoinError("the agreement server did not welcome this rank in time") from None
-        raise _Retry(str(error)) from None
+        if rank == 0:
+            server = Server(world, address, token)
+            server.start()
+            logger.info(
+                "fd-cudagraph agreement: tensor-parallel rank 0 of %d listens on %s",
+                world,
+                server.endpoint,
+            )
+            endpoint = server.endpoint
+            if address.published:
+                _bounded(lambda: _publish(store(), prefix, endpoint, token), deadline, "publish to")
+        elif address.published:
+            endpoint, token = _bounded(
+                lambda: _read_published(store(), prefix, deadline), deadline, "read from"
+            )
+        else:
+            endpoint = address.endpoint
+        link = ZmqLink(rank, world, endpoint, token, server)
+        try:
+            link.hello(deadline)
+        except _NoAnswer:
+            link.close()
+            raise JoinError(
+                f"tensor-parallel rank 0 did not start the CUDA graph agreement server within "
+                f"{timeout:g} s (FD_CUDAGRAPH_RANK_TIMEOUT; waited {time.monotonic() - started:.3g}"
+                f" s)"
+            ) from None
+        except BaseException:
+            link.close()
+            raise
+        return link
     except BaseException:
-        sock.close()
+        if server is not None:
+            server.stop()
         raise
 
 
-def listen_host(ranks: list[int]) -> str:
-    """Where TP rank 0's server listens: loopback when every rank of the group runs on this host,
-    else this worker's own endpoint's host. Paddle's launcher sets ``PADDLE_CURRENT_ENDPOINT`` and
-    ``PADDLE_TRAINER_ENDPOINTS`` (every rank's, by global rank) in every worker."""
-    host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "").rpartition(":")[0]
-    if not host:
-        return "127.0.0.1"
-    endpoints = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
-    if not endpoints or any(r >= len(endpoints) for r in ranks):
-        return host  # where the ranks are is unknown: reachable from other hosts
-    if all(endpoints[r].rpartition(":")[0] == host for r in ranks):
-        return "127.0.0.1"
-    return host
+def _bounded(call: Callable[[], Any], deadline: float, what: str) -> Any:
+    """``call()`` in a daemon thread, waited for until ``deadline``: a call of Paddle's store
+    blocks for as long as the store's host does not answer (rank 0's process frozen) and cannot
+    be interrupted."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as error:
+            box["error"] = error
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, name="fd-cudagraph-store", daemon=True)
+    thread.start()
+    thread.join(max(deadline - started, 0.0))
+    if thread.is_alive():
+        raise JoinError(
+            f"the job store (Paddle's TCP store, hosted by global rank 0) did not answer when "
+            f"this rank tried to {what} it, after {time.monotonic() - started:.3g} s"
+        )
+    error = box.get("error")
+    if isinstance(error, JoinError):
+        raise error
+    if error is not None:
+        raise JoinError(
+            f"the job store (Paddle's TCP store) failed when this rank tried to {what} it: "
+            f"{type(error).__name__}: {text(error, MAX_LABEL)}"
+        ) from error
+    return box["value"]
+
+
+def _publish(store: Store, prefix: str, endpoint: str, token: str | None) -> None:
+    store.set(f"{prefix}/server", json.dumps({"endpoint": endpoint, "token": token}))
+    store.add(f"{prefix}/ready", 1)
+
+
+_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.:\[\]_-]{1,200}")
+
+
+def _read_published(store: Store, prefix: str, deadline: float) -> tuple[str, str]:
+    while store.add(f"{prefix}/ready", 0) < 1:
+        if time.monotonic() >= deadline:
+            raise JoinError("tensor-parallel rank 0 did not start the CUDA graph agreement server")
+        time.sleep(_STORE_POLL_SECONDS)
+    raw = store.get(f"{prefix}/server")
+    try:
+        published = parse(raw if isinstance(raw, bytes) else bytes(raw))
+        endpoint, token = published["endpoint"], published["token"]
+    except (BadMessage, KeyError, TypeError):
+        raise JoinError("the agreement server's address in the job store is malformed") from None
+    if type(endpoint) is not str or not _ENDPOINT.fullmatch(endpoint):
+        raise JoinError("the agreement server's address in the job store is malformed")
+    if type(token) is not str or not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise JoinError("the agreement server's token in the job store is malformed")
+    return endpoint, token
 
 
 __all__ = [
+    "Address",
+    "Agreed",
     "Decider",
     "JoinError",
     "Link",
     "LocalLink",
-    "Outcome",
     "Server",
-    "SocketLink",
-    "listen_host",
+    "ZmqLink",
+    "address_for",
+    "join",
 ]

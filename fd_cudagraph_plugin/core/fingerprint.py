@@ -36,11 +36,6 @@ def backends_plan(fingerprints: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def readable(payload: Any) -> bool:
-    """A rank's plan as the plan point can compare it: a flat object of JSON values."""
-    return isinstance(payload, dict) and all(isinstance(k, str) for k in payload)
-
-
 def plan_diff(fingerprints: list[dict[str, Any]]) -> list[str]:
     """One line per rank whose plan differs from rank 0's, naming each differing key."""
     lines = []

@@ -203,6 +203,43 @@ def probe_writable(path: str) -> None:
 PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
 
 
+_INTERFACE = re.compile(r"[A-Za-z0-9._:%-]{1,64}")
+
+
+def _interface(text: str) -> str:
+    """``auto``, or where TP rank 0 listens: an IP address or a network interface name."""
+    if text.lower() == "auto":
+        return "auto"
+    if not _INTERFACE.fullmatch(text) or not text.isascii():
+        raise ValueError(
+            "must be auto, an IP address of TP rank 0's host (10.0.0.5) or a network interface "
+            "name (eth0), in ASCII letters, digits and . : - _ (at most 64)"
+        )
+    return text
+
+
+def _ports(text: str) -> tuple[int, int] | None:
+    """``auto`` (the kernel's choice) -> None; ``N`` or ``N-M`` -> (N, M)."""
+    if text.lower() == "auto":
+        return None
+    low, dash, high = text.partition("-")
+    high = high if dash else low
+    if not (_ascii_digits(low) and _ascii_digits(high)):
+        raise ValueError("must be auto, a port (29500) or a range (29500-29509), in ASCII digits")
+    first, last = int(low), int(high)
+    if not 1024 <= first <= last <= 65535:
+        raise ValueError(
+            "must be auto or ports from 1024 to 65535, a range written low-high (29500-29509)"
+        )
+    return first, last
+
+
+def _ascii_digits(text: str) -> bool:
+    """Decimal digits as an operator types them: ``isdigit()`` also takes Arabic-Indic digits
+    and superscripts, which ``int()`` reads (or refuses) differently."""
+    return 0 < len(text) <= 6 and text.isascii() and text.isdigit()
+
+
 def _sampling(text: str) -> int:
     """``off`` -> 0, ``always`` -> 1, ``sampled:N`` -> N (check one replay in N)."""
     text = text.lower()
@@ -244,6 +281,23 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds a tensor-parallel rank waits at a capture agreement point for the others before "
         "it stops with an error naming the ranks that never came.",
         _timeout,
+    ),
+    Option(
+        "FD_CUDAGRAPH_AGREEMENT_INTERFACE",
+        "auto",
+        (),
+        "Where TP rank 0 listens for the ranks' agreement: `auto` (a Unix socket when the group "
+        "is on one host, else TCP on rank 0's node address), or an IP address or interface name "
+        "of rank 0's host (TCP, also on one host).",
+        _interface,
+    ),
+    Option(
+        "FD_CUDAGRAPH_AGREEMENT_PORTS",
+        "auto",
+        (),
+        "The TCP port of the ranks' agreement on TP rank 0: `auto` (the kernel's choice), a port "
+        "(`29500`) or a range (`29500-29509`) for a firewall. Setting it makes the channel TCP.",
+        _ports,
     ),
     Option(
         "FD_CUDAGRAPH_KV_RESERVE",
@@ -407,6 +461,8 @@ class PluginOptions:
     pool: str
     pool_set: bool
     rank_timeout: float
+    agreement_interface: str
+    agreement_ports: tuple[int, int] | None
     kv_reserve: object
     check_addresses: int
     self_check: str
@@ -432,6 +488,8 @@ class PluginOptions:
             pool=get("POOL"),
             pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
             rank_timeout=get("RANK_TIMEOUT"),
+            agreement_interface=get("AGREEMENT_INTERFACE"),
+            agreement_ports=get("AGREEMENT_PORTS"),
             kv_reserve=get("KV_RESERVE"),
             check_addresses=get("CHECK_ADDRESSES"),
             self_check=get("SELF_CHECK"),

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fd_cudagraph_plugin.core import budget, process
+from fd_cudagraph_plugin.core.messages import RankMemory
 from fd_cudagraph_plugin.core.text import human_bytes, plural
 
 
@@ -38,7 +39,7 @@ class CaptureReport:
     agreement_points: int = 0
     records: list[CaptureRecord] = field(default_factory=list)
     #: Every rank's memory after the session (shared at its end), when the device can say.
-    memory: list[budget.RankMemory] = field(default_factory=list)
+    memory: list[RankMemory] = field(default_factory=list)
     #: Why warm-ups were skipped, when some were (``warmups.py``): the summary line says it.
     warmup_note: str = ""
 
@@ -58,7 +59,7 @@ class CaptureReport:
     def warmups(self) -> int:
         return sum(r.warmups for r in self.records)
 
-    def mine(self) -> budget.RankMemory | None:
+    def mine(self) -> RankMemory | None:
         return next((m for m in self.memory if m.rank == self.rank), None)
 
     def summary(self) -> str:
@@ -86,18 +87,19 @@ class CaptureReport:
             return f"{plural(per_graph[0], 'warm-up')} each"
         return f"{per_graph[0]}-{per_graph[-1]} warm-ups each"
 
-    def memory_at_failure(self, participant: Any, phase: str) -> dict[str, Any]:
-        """What the failing rank knew of memory when a capture ran out of it."""
+    def out_of_memory_advice(self, participant: Any, phase: str) -> str:
+        """What to change, from what this rank knew of memory when a capture ran out of it; the
+        rank posts it with its failure, so every rank prints it."""
         device = participant.runtime.device_memory()
-        return {
-            "captured_bytes": self.graph_bytes,
-            "graphs_done": self.graphs,
-            "graphs_planned": max(participant.graphs_expected(phase), self.graphs + 1),
-            "free": device[0] if device else None,
-            "total": device[1] if device else None,
-            "utilization": participant.settings.gpu_memory_utilization,
-            "kv_reserve": _kv_reserve()[:100],
-        }
+        return budget.oom_advice(
+            captured_bytes=self.graph_bytes,
+            graphs_done=self.graphs,
+            graphs_planned=max(participant.graphs_expected(phase), self.graphs + 1),
+            free=device[0] if device else None,
+            total=device[1] if device else None,
+            utilization=participant.settings.gpu_memory_utilization,
+            kv_reserve=_kv_reserve(),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

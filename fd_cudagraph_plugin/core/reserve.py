@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fd_cudagraph_plugin.core import fingerprint, outputs, process, seam
+from fd_cudagraph_plugin.core.messages import FLAG
 from fd_cudagraph_plugin.core.report import CaptureReport
 from fd_cudagraph_plugin.core.session import CaptureSession
 from fd_cudagraph_plugin.core.text import human_bytes
@@ -139,9 +140,7 @@ class KvReserve:
         )
         with session:
             lacking = any(
-                session.agreement.share(
-                    "record", None, None, lambda: recorded is None, lambda v: isinstance(v, bool)
-                )
+                session.agreement.share("record", None, None, lambda: recorded is None, FLAG)
             )
             probing = lacking and plain and not settings.only_prefill
             if probing:

@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import inspect
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -358,6 +359,16 @@ def clear_ipc_handles() -> None:
 
 
 # ------------------------------------------------------------------------ the job's store
+
+
+def job_endpoint() -> str:
+    """Where the job's store listens, found as Paddle's ``init_parallel_env`` finds it
+    (``MASTER_ADDR`` and ``MASTER_PORT``, else ``PADDLE_MASTER``, else the first of
+    ``PADDLE_TRAINER_ENDPOINTS``): what tells this job from another on the same host."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if address and port:
+        return f"{address}:{port}"
+    return os.environ.get("PADDLE_MASTER") or os.environ.get("PADDLE_TRAINER_ENDPOINTS", "")
 
 
 def job_store() -> Any:

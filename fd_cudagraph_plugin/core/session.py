@@ -24,14 +24,16 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict
 from typing import Any, Protocol
 
-from fd_cudagraph_plugin.core import budget, fingerprint, outputs, process, seam, warmups
+import zmq
+
+from fd_cudagraph_plugin.core import channel, fingerprint, outputs, process, seam, warmups
 from fd_cudagraph_plugin.core.agreement import Agreement, Participant, forget_locals
-from fd_cudagraph_plugin.core.channel import JoinError, Link, LocalLink, SocketLink, listen_host
+from fd_cudagraph_plugin.core.channel import JoinError, Link, LocalLink
 from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError, RankTimeoutError
 from fd_cudagraph_plugin.core.key import GraphKey
+from fd_cudagraph_plugin.core.messages import Maybe, Of, PlanPayload, RankMemory, Unwarmed
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.report import CaptureRecord, CaptureReport
 from fd_cudagraph_plugin.core.settings import read_ranks
@@ -48,7 +50,7 @@ class SessionBackend(Participant, Protocol):
     def plan_fingerprint(self) -> dict[str, Any]:
         """What must be equal on every tensor-parallel rank for captures to line up."""
 
-    def unwarmed(self) -> dict[str, list[int]]:
+    def unwarmed(self) -> Unwarmed:
         """The sizes, by phase, this backend has not warmed in this process."""
 
     def join_session(self, session: CaptureSession, role: str | None) -> None:
@@ -59,7 +61,7 @@ class SessionBackend(Participant, Protocol):
 
 
 def link_for(fd_config: Any, options: PluginOptions) -> Link:
-    """This process's link to its tensor-parallel group's agreement server (made once)."""
+    """This process's link to its tensor-parallel group's agreement channel (made once)."""
     ranks = read_ranks(fd_config)
     if ranks.tp_size <= 1:
         return LocalLink()
@@ -68,29 +70,25 @@ def link_for(fd_config: Any, options: PluginOptions) -> Link:
     name = f"{state.link_prefix}/{'-'.join(str(r) for r in group)}"
     link = state.links.get(name)
     if link is None:
+        started = time.monotonic()
         try:
-            link = SocketLink.connect(
-                seam.job_store(),
+            address = channel.address_for(
+                seam.job_endpoint(),
                 name,
-                ranks.tp_rank,
-                ranks.tp_size,
-                listen_host(group),
-                options.rank_timeout,
+                group,
+                options.agreement_interface,
+                options.agreement_ports,
             )
-        except (JoinError, OSError) as error:
-            if isinstance(error, ConnectionRefusedError):
-                why = "rank 0's agreement server refused the connection: its process has exited"
-                fix = "See rank 0's log for why it stopped."
-            else:
-                why = f"{type(error).__name__}: {error}"
-                fix = (
-                    "Every worker of the group must run fd-cudagraph-plugin (FD_PLUGINS) and start "
-                    "capture_model(); raise FD_CUDAGRAPH_RANK_TIMEOUT if rank 0 is slow."
-                )
+            link = channel.join(
+                seam.job_store, name, address, ranks.tp_rank, ranks.tp_size, options.rank_timeout
+            )
+        except (JoinError, OSError, zmq.ZMQError) as error:
             raise RankTimeoutError(
                 f"tensor-parallel rank {ranks.tp_rank} could not join its group's CUDA graph "
-                f"agreement (ranks {group}, waiting at most {options.rank_timeout:g} s): {why}. "
-                f"{fix}",
+                f"agreement (ranks {group}; waited {time.monotonic() - started:.3g} s of at most "
+                f"{options.rank_timeout:g} s, FD_CUDAGRAPH_RANK_TIMEOUT): {error}. Every worker "
+                f"of the group must run fd-cudagraph-plugin (FD_PLUGINS) and start "
+                f"capture_model(); see rank 0's log if it stopped.",
                 stage="agreement",
             ) from error
         state.links[name] = link
@@ -242,9 +240,9 @@ class CaptureSession:
             "backends": len(self.members),
             **fingerprint.backends_plan([m.plan_fingerprint() for m in self.members]),
         }
-        mine = {"plan": plan, "unwarmed": [m.unwarmed() for m in self.members]}
-        everyone = self.agreement.share("plan", None, None, lambda: mine, _plan_readable)
-        diff = fingerprint.plan_diff([e["plan"] for e in everyone])
+        mine = PlanPayload(plan=plan, unwarmed=[m.unwarmed() for m in self.members])
+        everyone = self.agreement.share("plan", None, None, lambda: mine, Of(PlanPayload))
+        diff = fingerprint.plan_diff([e.plan for e in everyone])
         if diff:
             raise self.agreement.stop(
                 RankMismatchError(
@@ -256,7 +254,7 @@ class CaptureSession:
                     stage="plan",
                 )
             )
-        self._to_warm = warmups.agreed([e["unwarmed"] for e in everyone], len(self.members))
+        self._to_warm = warmups.agreed([e.unwarmed for e in everyone], len(self.members))
 
     def record(
         self, member: SessionBackend, key: GraphKey, seconds: float, nbytes: int, warmed: int
@@ -281,7 +279,7 @@ class CaptureSession:
             f"size {record.size}, graph memory {human_bytes(graph_bytes)}",
         )
 
-    def _my_memory(self) -> dict[str, Any] | None:
+    def _my_memory(self) -> RankMemory | None:
         """This rank's figures for the session end: None where no graph was captured."""
         if not self.members or self._device_before is None:
             return None
@@ -290,25 +288,23 @@ class CaptureSession:
         taken = self.report.graph_bytes
         if device is not None and before is not None:
             taken = max(before[0] - device[0], taken)
-        return asdict(
-            budget.RankMemory(
-                rank=self.rank,
-                graph_bytes=self.report.graph_bytes,
-                taken_bytes=taken,
-                free=device[0] if device else 0,
-                total=device[1] if device else 0,
-                utilization=member.settings.gpu_memory_utilization,
-                simulated=not member.runtime.real_graphs,
-            )
+        return RankMemory(
+            rank=self.rank,
+            graph_bytes=self.report.graph_bytes,
+            taken_bytes=taken,
+            free=device[0] if device else 0,
+            total=device[1] if device else 0,
+            utilization=member.settings.gpu_memory_utilization,
+            simulated=not member.runtime.real_graphs,
         )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         agreement = self.agreement
         try:
             if exc_type is None:
-                shared = agreement.share("end", None, None, self._my_memory, _memory_readable)
+                shared = agreement.share("end", None, None, self._my_memory, Maybe(Of(RankMemory)))
                 if all(shared):
-                    self.report.memory = [budget.RankMemory.of(m) for m in shared]
+                    self.report.memory = shared
             elif isinstance(exc, Exception):
                 forget_locals(exc)
                 agreed = agreement.failure or agreement.fail("capture loop", exc)
@@ -351,19 +347,6 @@ class CaptureSession:
                 # The graphs are captured; a report that cannot be written must not stop the
                 # worker from serving them.
                 self.process.outputs.failed("FD_CUDAGRAPH_MEMORY_REPORT", path, error)
-
-
-def _plan_readable(payload: Any) -> bool:
-    return (
-        isinstance(payload, dict)
-        and set(payload) == {"plan", "unwarmed"}
-        and fingerprint.readable(payload["plan"])
-        and warmups.readable(payload["unwarmed"])
-    )
-
-
-def _memory_readable(payload: Any) -> bool:
-    return budget.RankMemory.readable(payload)
 
 
 __all__ = ["CaptureError", "CaptureSession", "Progress", "link_for"]

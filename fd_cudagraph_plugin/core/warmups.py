@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fd_cudagraph_plugin.core.key import DECODE, PREFILL, GraphKey
+from fd_cudagraph_plugin.core.messages import Unwarmed
 from fd_cudagraph_plugin.core.text import plural
 
 #: Warm-ups of a size captured before in this process: the eager run a capture reads host
@@ -47,39 +48,26 @@ class WarmedSizes:
         if not key.static:
             self._keys.add(key)
 
-    def missing(self, planned: Iterable[GraphKey]) -> dict[str, list[int]]:
+    def missing(self, planned: Iterable[GraphKey]) -> Unwarmed:
         """Of ``planned``, the sizes by phase still to warm (static keys always are: Paddle
         keeps those graphs and their programs itself)."""
         todo: dict[str, list[int]] = {DECODE: [], PREFILL: []}
         for key in planned:
             if key.static or key not in self._keys:
                 todo[key.phase].append(key.size)
-        return todo
+        return Unwarmed(decode=todo[DECODE], prefill=todo[PREFILL])
 
 
-def readable(payload: Any) -> bool:
-    """A rank's unwarmed sizes as they came over the network."""
-    return isinstance(payload, list) and all(
-        isinstance(todo, dict)
-        and set(todo) <= {DECODE, PREFILL}
-        and all(
-            isinstance(sizes, list) and all(type(s) is int and 0 < s < 1 << 20 for s in sizes)
-            for sizes in todo.values()
-        )
-        for todo in payload
-    )
-
-
-def agreed(unwarmed: list[list[dict[str, list[int]]]], members: int) -> dict[int, dict]:
+def agreed(unwarmed: list[list[Unwarmed]], members: int) -> dict[int, dict[str, set[int]]]:
     """What every rank warms: per member (by place), per phase, the sizes any rank has not
     warmed. The same on every rank: every rank computes it from every rank's post."""
     to_warm: dict[int, dict[str, set[int]]] = {}
     for index in range(members):
         union: dict[str, set[int]] = {DECODE: set(), PREFILL: set()}
         for rank_todo in unwarmed:
-            todo = rank_todo[index] if index < len(rank_todo) else {}
-            for phase, sizes in todo.items():
-                union[phase].update(sizes)
+            if index < len(rank_todo):
+                union[DECODE].update(rank_todo[index].decode)
+                union[PREFILL].update(rank_todo[index].prefill)
         to_warm[index] = union
     return to_warm
 
