@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import struct
 import subprocess
@@ -256,12 +257,12 @@ def test_a_rank_whose_link_closes_is_named_at_once():
     group.close()
 
 
-_KILLED_RANK = """
+_RANK_PROCESS = """
 import sys, time
 sys.path.insert(0, {root!r})
 from fd_cudagraph_plugin.core import channel
 from fd_cudagraph_plugin.core.messages import Status
-link = channel.join(None, "t", channel.Address({endpoint!r}), 2, 3, 10)
+link = channel.join(None, "t", channel.Address({endpoint!r}), {rank}, {world}, 10)
 link.next_epoch()
 {then}
 print("ready", flush=True)
@@ -269,18 +270,36 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("posted", [False, True], ids=["waiting", "after posting"])
-def test_a_rank_whose_process_is_killed_is_named_within_a_second_and_never_counted(
-    tmp_path, posted
-):
-    """A real process, SIGKILLed: before it posts, and right after it posted (the others then
-    arrive at a point it will not pass: it must not be counted as arrived)."""
+def rank_process(endpoint: str, rank: int, world: int, then: str = "") -> subprocess.Popen:
+    """A rank in a process of its own, joined and waiting; ``then`` runs after the join."""
+    script = _RANK_PROCESS.format(
+        root=str(ROOT), endpoint=endpoint, rank=rank, world=world, then=then
+    )
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_rank_whose_process_is_killed_while_the_others_wait_is_named_within_a_second(tmp_path):
     group = Group(ipc_address(tmp_path), world=3, joined=2)
-    then = 'link._sock.send(channel._post((0, 0), "plan", Status(), 2, 30))' if posted else ""
-    script = _KILLED_RANK.format(root=str(ROOT), endpoint=group.endpoint, then=then)
-    rank = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    rank = rank_process(group.endpoint, 2, 3)
     assert rank.stdout.readline().strip() == "ready"
-    time.sleep(0.2)  # its post, if any, has reached the server
+    threading.Timer(0.3, rank.kill).start()
+    outcomes, took = group.point("plan", timeouts={0: 30, 1: 30})
+    assert took < 0.3 + 1.0
+    for outcome in outcomes:
+        assert outcome.outcome.missing == (2,) and outcome.outcome.lost == (2,)
+    assert "closed its connection or stopped answering" in str(agreed_error(outcomes[0], 3, 30))
+    rank.wait()
+    group.close()
+
+
+def test_a_rank_killed_right_after_posting_is_never_counted_as_arrived(tmp_path):
+    """The others arrive at a point the dead rank posted at: completing it would send them into
+    a collective it will never join."""
+    group = Group(ipc_address(tmp_path), world=3, joined=2)
+    then = 'link._sock.send(channel._post((0, 0), "plan", Status(), 2, 30))'
+    rank = rank_process(group.endpoint, 2, 3, then)
+    assert rank.stdout.readline().strip() == "ready"
+    time.sleep(0.2)  # its post has reached the server
     rank.kill()
     rank.wait()
     outcomes, took = group.point("plan", timeouts={0: 30, 1: 30})
@@ -288,8 +307,71 @@ def test_a_rank_whose_process_is_killed_is_named_within_a_second_and_never_count
     for outcome in outcomes:
         assert outcome.outcome.missing == (2,) and outcome.outcome.lost == (2,)
         assert 2 not in outcome.outcome.statuses
-    assert "closed its connection or stopped answering" in str(agreed_error(outcomes[0], 3, 30))
     group.close()
+
+
+def _group_hosted_elsewhere(tmp_path) -> tuple[subprocess.Popen, list[ZmqLink]]:
+    """Rank 0 (and its server) in a process of its own; ranks 1 and 2 here."""
+    address = ipc_address(tmp_path)
+    rank0 = rank_process(address.endpoint, 0, 3)
+    links = {}
+
+    def connect(rank: int) -> None:
+        links[rank] = channel.join(None, "t", address, rank, 3, 10)
+        links[rank].next_epoch()
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert rank0.stdout.readline().strip() == "ready"
+    return rank0, [links[1], links[2]]
+
+
+def _wait_at_a_point(links: list[ZmqLink], timeout: float) -> tuple[list, float]:
+    outcomes: dict[int, object] = {}
+    started = time.monotonic()
+
+    def run(link: ZmqLink) -> None:
+        outcomes[link.rank] = link.agree("plan", Status(), timeout)
+
+    threads = [threading.Thread(target=run, args=(link,)) for link in links]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return [outcomes[r] for r in sorted(outcomes)], time.monotonic() - started
+
+
+def test_when_rank_zeros_process_is_killed_the_others_name_rank_zero_within_a_second(tmp_path):
+    rank0, links = _group_hosted_elsewhere(tmp_path)
+    threading.Timer(0.3, rank0.kill).start()
+    outcomes, took = _wait_at_a_point(links, 30)
+    assert took < 0.3 + 1.0
+    for agreed in outcomes:
+        assert agreed.outcome.missing == (0,) and agreed.outcome.lost == (0,)
+        assert "rank 0 closed its connection" in str(agreed_error(agreed, 3, 30))
+    rank0.wait()
+    for link in links:
+        link.close()
+
+
+def test_when_rank_zero_freezes_the_others_say_its_server_did_not_answer_within_the_timeout(
+    tmp_path,
+):
+    rank0, links = _group_hosted_elsewhere(tmp_path)
+    rank0.send_signal(signal.SIGSTOP)
+    try:
+        outcomes, took = _wait_at_a_point(links, 2.0)
+    finally:
+        rank0.kill()
+        rank0.wait()
+    assert 2.0 <= took < 2.0 + 0.3
+    for agreed in outcomes:
+        assert "on tensor-parallel rank 0 did not answer within 2 s" in agreed.channel_failure
+    for link in links:
+        link.close()
 
 
 def test_a_rank_lost_after_it_posted_makes_the_point_abandoned():

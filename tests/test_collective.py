@@ -46,6 +46,8 @@ TWO_RANKS = (
     "recapture-history-differs@1",
     "static-full",
     *(f"{fault}@{rank}" for fault in FAULTS for rank in (0, 1)),
+    "equal-plans-tcp",
+    *(f"{fault}-tcp@{rank}" for fault in ("capture-oom", "never-joins") for rank in (0, 1)),
 )
 FOUR_RANKS = ("capture-oom@2",)
 #: A healthy scenario takes well under a second, a rank that never joins 3 s (its timeout).
@@ -152,8 +154,9 @@ def _every_rank_raised_the_same(facts: list[dict], error: str = "CaptureError") 
     return messages.pop()
 
 
-def test_equal_plans_capture_every_size_and_register_each_graph_on_every_rank(two):
-    for facts in two["equal-plans"]:
+@pytest.mark.parametrize("transport", ["", "-tcp"], ids=["unix socket", "tcp"])
+def test_equal_plans_capture_every_size_and_register_each_graph_on_every_rank(two, transport):
+    for facts in two[f"equal-plans{transport}"]:
         assert facts["outcome"] == "ok", facts["message"]
         assert facts["captured"] == [8, 4, 2, 1]
         assert facts["registrations"] == 4  # one all_gather_object per graph, over the group
@@ -185,6 +188,7 @@ def test_when_one_rank_has_not_warmed_every_rank_warms_in_full_and_none_hangs(tw
     [
         ("warm-up-oom", "warm-up", OOM),
         ("capture-oom", "capture", OOM),
+        ("capture-oom-tcp", "capture", OOM),
         ("registration-fails", "registration", "cudaIpcOpenMemHandle failed"),
         ("self-check-raises", "self-check", OOM),
     ],
@@ -247,9 +251,12 @@ def test_a_self_check_failure_on_one_rank_is_served_eagerly_on_every_rank_with_w
         assert facts["disabled"] == [4]  # the other rank's own graph of size 4 was fine
 
 
+@pytest.mark.parametrize("transport", ["", "-tcp"], ids=["unix socket", "tcp"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_that_never_joins_is_named_by_those_that_waited_within_the_timeout(two, rank):
-    waited = two[f"never-joins@{rank}"][1 - rank]
+def test_a_rank_that_never_joins_is_named_by_those_that_waited_within_the_timeout(
+    two, rank, transport
+):
+    waited = two[f"never-joins{transport}@{rank}"][1 - rank]
     assert waited["outcome"] == "RankTimeoutError", waited
     # Within FD_CUDAGRAPH_RANK_TIMEOUT (3 s), whole: the wait gives up a margin before it, so
     # that the server's answer arrives in time (channel.give_up_margin: 0.75 s of 3 s).

@@ -385,6 +385,17 @@ def less_free_memory(rank: Rank) -> dict[str, Any]:
     return {**_facts(backend), "summary": backend.capture_report.summary()}
 
 
+def _over_tcp(name: str) -> None:
+    """The same scenario with the channel on TCP (as across hosts): the endpoint and token go
+    through Paddle's real job store, the token through ZeroMQ's handshake."""
+    base = SCENARIOS[name]
+
+    @scenario(f"{name}-tcp")
+    def over_tcp(rank: Rank) -> dict[str, Any]:
+        with _env("FD_CUDAGRAPH_AGREEMENT_INTERFACE", "127.0.0.1"):
+            return base(rank)
+
+
 @scenario("never-joins")
 def never_joins(rank: Rank) -> dict[str, Any]:
     """The faulty rank never starts capture_model() (it died, or runs without the plugin)."""
@@ -392,6 +403,10 @@ def never_joins(rank: Rank) -> dict[str, Any]:
         return {"skipped": True}
     with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "3"):
         return _facts(capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])))
+
+
+for _name in ("equal-plans", "capture-oom", "never-joins"):
+    _over_tcp(_name)
 
 
 # ---------------------------------------------------------------------------------- driver

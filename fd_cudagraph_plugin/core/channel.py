@@ -1029,25 +1029,27 @@ def join(
             if address.published:
                 _bounded(lambda: _publish(store(), prefix, endpoint, token), deadline, "publish to")
         elif address.published:
+            # Polled until a moment before the deadline: running out of time there means rank 0
+            # never published, which the error then says, not that the store hung.
             endpoint, token = _bounded(
-                lambda: _read_published(store(), prefix, deadline), deadline, "read from"
+                lambda: _read_published(store(), prefix, deadline - _STORE_POLL_SECONDS),
+                deadline,
+                "read from",
             )
         else:
             endpoint = address.endpoint
         link = ZmqLink(rank, world, endpoint, token, server)
         try:
             link.hello(deadline)
-        except _NoAnswer:
-            link.close()
-            raise JoinError(
-                f"tensor-parallel rank 0 did not start the CUDA graph agreement server within "
-                f"{timeout:g} s (FD_CUDAGRAPH_RANK_TIMEOUT; waited {time.monotonic() - started:.3g}"
-                f" s)"
-            ) from None
         except BaseException:
             link.close()
             raise
         return link
+    except _NoAnswer:
+        raise JoinError(
+            f"tensor-parallel rank 0 did not start the CUDA graph agreement server within "
+            f"{timeout:g} s (FD_CUDAGRAPH_RANK_TIMEOUT; waited {time.monotonic() - started:.3g} s)"
+        ) from None
     except BaseException:
         if server is not None:
             server.stop()
@@ -1076,7 +1078,7 @@ def _bounded(call: Callable[[], Any], deadline: float, what: str) -> Any:
             f"this rank tried to {what} it, after {time.monotonic() - started:.3g} s"
         )
     error = box.get("error")
-    if isinstance(error, JoinError):
+    if isinstance(error, (JoinError, _NoAnswer)):
         raise error
     if error is not None:
         raise JoinError(
@@ -1097,7 +1099,7 @@ _ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.:\[\]_-]{1,200}")
 def _read_published(store: Store, prefix: str, deadline: float) -> tuple[str, str]:
     while store.add(f"{prefix}/ready", 0) < 1:
         if time.monotonic() >= deadline:
-            raise JoinError("tensor-parallel rank 0 did not start the CUDA graph agreement server")
+            raise _NoAnswer()
         time.sleep(_STORE_POLL_SECONDS)
     raw = store.get(f"{prefix}/server")
     try:
