@@ -5,7 +5,10 @@ from setuptools import find_packages, setup
 setup(
     name="fd-cudagraph-plugin",
     version="0.4.0",
-    description="A faster, leaner CUDA-graph backend for FastDeploy 2.x, loaded as a plugin",
+    description=(
+        "A replacement CUDA-graph backend for PaddlePaddle FastDeploy 2.x, loaded as a plugin; "
+        "tested on CPU stand-ins and a torch GPU stand-in, not yet with Paddle on a GPU"
+    ),
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
