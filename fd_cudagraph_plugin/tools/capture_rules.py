@@ -212,6 +212,8 @@ class ServingSettings:
     draft_model_use_cudagraph: bool | None = None
     #: ``use_cudagraph`` as given (FastDeploy's default: true).
     use_cudagraph: bool = True
+    #: FastDeploy's ``use_ep``: expert parallelism over more than one rank.
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,8 @@ def derive(release: Release, settings: ServingSettings) -> Derived:
     decode, prefill, bsz = _capture_lists(release, s)
     shape_map = fastdeploy_padding_map(decode)
     prefill_map = fastdeploy_padding_map(prefill) if prefill is not None else {}
+    if release.generation == "2.4" and s.expert_parallel:
+        decode = [0, *decode]  # 2.4's FDConfig, after the map: "if use_ep: [0] + sizes"
 
     # FDConfig.postprocess: the prefill role sets use_cudagraph to cudagraph_only_prefill,
     # whatever was given.

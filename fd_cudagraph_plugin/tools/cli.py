@@ -199,6 +199,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="FastDeploy's splitwise_role (default mixed, as FastDeploy's)",
     )
     fastdeploy.add_argument(
+        "--data-parallel-size",
+        type=Integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
+        default=None,
+        help="data_parallel_size: with --enable-expert-parallel, experts span data-parallel "
+        "ranks too (default 1)",
+    )
+    fastdeploy.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         default=None,

@@ -146,7 +146,7 @@ def derive_with_fastdeploy(
         # takes it as given.
         parallel = {
             "tensor_parallel_size": s.tensor_parallel_size,
-            "enable_expert_parallel": s.sequence_parallel_moe,
+            "enable_expert_parallel": s.expert_parallel or s.sequence_parallel_moe,
             "disable_sequence_parallel_moe": not s.sequence_parallel_moe,
             "use_sequence_parallel_moe": s.sequence_parallel_moe,
         }

@@ -84,6 +84,8 @@ class PlanInput:
     num_model_steps: int | None = None
     #: What the command line's FastDeploy flags said that the plan does not show.
     given_notes: tuple[str, ...] = ()
+    #: FastDeploy's ``use_ep`` (``--enable-expert-parallel`` over more than one rank).
+    expert_parallel: bool = False
 
     @property
     def prefill_shape(self) -> int:
@@ -319,6 +321,7 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         splitwise_role=inputs.splitwise_role,
         draft_model_use_cudagraph=inputs.draft_model_use_cudagraph,
         use_cudagraph=inputs.use_cudagraph,
+        expert_parallel=inputs.expert_parallel,
     )
 
 
@@ -449,7 +452,14 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     mode = _mode(release, inputs)
     source = _source(release, s, installed, use_fastdeploy, inputs.fastdeploy_version)
     derived, notes = source.derived, source.notes
-    decode, prefill = derived.capture_sizes, derived.capture_sizes_prefill
+    prefill = derived.capture_sizes_prefill
+    # A 0 in the list (2.4 under expert parallelism) is no graph: the plugin drops it.
+    decode = [size for size in derived.capture_sizes if size]
+    if len(decode) < len(derived.capture_sizes):
+        notes.append(
+            f"FastDeploy {release.name} puts 0 first in cudagraph_capture_sizes under expert "
+            "parallelism (use_ep); the plugin drops it (a 0-token step runs eagerly)."
+        )
     cap, scale, formula = _decode_cap(release, s)
     if s.capture_sizes is not None:
         dropped = sorted({size * scale for size in s.capture_sizes if size * scale > cap})
@@ -527,7 +537,7 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
         mode=mode,
         num_speculative_tokens=s.k,
         draft_model_use_cudagraph=draft,
-        capture_sizes=decode,
+        capture_sizes=derived.capture_sizes,
         capture_sizes_prefill=prefill,
         real_shape_to_captured_size=derived.real_shape_to_captured_size,
         real_shape_to_captured_size_prefill=derived.real_shape_to_captured_size_prefill,
@@ -892,6 +902,8 @@ def plan_input(options: dict) -> PlanInput:
     elif options.get("enable_expert_parallel") and given.values.get("tensor_parallel_size", 1) > 1:
         # ParallelConfig: sequence-parallel MoE is on under expert parallelism with tp > 1.
         given.set("sequence_parallel_moe", True, "--enable-expert-parallel")
+    ranks = given.values.get("tensor_parallel_size", 1) * (options.get("data_parallel_size") or 1)
+    expert_parallel = bool(options.get("enable_expert_parallel")) and ranks > 1
     if options.get("graph_optimization_config") is not None:
         engine_args.add_graph_config(given, options["graph_optimization_config"])
     if options.get("speculative_config") is not None:
@@ -900,4 +912,5 @@ def plan_input(options: dict) -> PlanInput:
         **given.values,
         fastdeploy_version=options.get("fastdeploy_version"),
         given_notes=tuple(given.notes),
+        expert_parallel=expert_parallel,
     )
