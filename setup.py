@@ -2,6 +2,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+URL = "https://github.com/fd-cudagraph-plugin/fd-cudagraph-plugin"
+
 setup(
     name="fd-cudagraph-plugin",
     version="0.4.0",
@@ -12,6 +14,13 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
+    # The project's repository; the README names no other.
+    url=URL,
+    project_urls={
+        "Source": URL,
+        "Issues": f"{URL}/issues",
+        "Changelog": f"{URL}/blob/main/CHANGELOG.md",
+    },
     python_requires=">=3.10",
     packages=find_packages(include=["fd_cudagraph_plugin", "fd_cudagraph_plugin.*"]),
     # No Paddle and no FastDeploy here: FastDeploy users already have paddlepaddle-gpu from

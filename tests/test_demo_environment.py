@@ -139,3 +139,27 @@ def test_a_demo_error_is_one_line_without_paddles_warnings(tmp_path):
     assert done.returncode == 2
     (line,) = done.stderr.splitlines()
     assert line.startswith("fd-cudagraph: --runtime cuda: this Paddle is not compiled with CUDA")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plan"], ["tune", "-"], ["doctor"], ["demo", "--steps", "2", "--sizes", "1"]],
+    ids=lambda argv: argv[0],
+)
+def test_no_tool_leaves_anything_in_tmpdir(argv, tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**_env_without("FD_LOG_DIR"), "TMPDIR": str(scratch)}
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
+        cwd=tmp_path,
+        env=env,
+        input="3\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
+    assert list(scratch.iterdir()) == []
