@@ -20,12 +20,15 @@ is checked to trip the guard as often as its setting says on an input moved to a
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import logging
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import timeit
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,6 +39,11 @@ sys.path.insert(0, str(ROOT / "tests" / "fastdeploy_stub"))
 sys.path.insert(0, str(ROOT))
 # Paddle's import warns that ccache is missing, which says nothing about what is timed here.
 warnings.filterwarnings("ignore", message="No ccache found")
+# FastDeploy's backend logs to files under FD_LOG_DIR (default ./log): a folder of its own,
+# removed at exit, so a run leaves nothing behind.
+if "FD_LOG_DIR" not in os.environ:
+    os.environ["FD_LOG_DIR"] = tempfile.mkdtemp(prefix="fd-cudagraph-bench-")
+    atexit.register(shutil.rmtree, os.environ["FD_LOG_DIR"], ignore_errors=True)
 
 import paddle  # noqa: E402
 from fastdeploy.config import (  # noqa: E402
