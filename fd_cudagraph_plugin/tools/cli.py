@@ -146,11 +146,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.tools.tune import run_tune
+    from fd_cudagraph_plugin.tools.tune import format_result, run_tune
 
-    text = run_tune(args)
+    result = run_tune(args)
     paddle_import.check()
-    print(text)
+    print(_json(result.to_json()) if args.json else format_result(result))
     return 0
 
 

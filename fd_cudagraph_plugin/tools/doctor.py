@@ -202,7 +202,8 @@ def _accelerator() -> str | None:
 
 def _blocker() -> str | None:
     try:
-        return cuda_runtime_blocker()
+        with paddle_import.quiet():  # it imports FastDeploy's platforms: its log lines are not ours
+            return cuda_runtime_blocker()
     except Exception as error:  # a FastDeploy platform object that fails: register() would too
         return f"cannot tell the platform: {type(error).__name__}: {error}"
 
@@ -220,8 +221,8 @@ def check_fastdeploy(environ: Mapping[str, str], earlier: Earlier | None = None)
         missing = True
     if missing:
         return CheckResult(name, FAIL, "fastdeploy is not installed here.", install)
-    skipped = _skipped(name, earlier, "Paddle")
-    if skipped is not None and "cannot import" in (earlier or {})["Paddle"].detail:
+    paddle = (earlier or {}).get("Paddle")
+    if paddle is not None and paddle.detail.startswith("cannot import"):
         return CheckResult(
             name, SKIP, "installed; not imported: it needs Paddle (see the Paddle line)."
         )

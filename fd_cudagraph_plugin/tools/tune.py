@@ -540,25 +540,18 @@ def _histogram_lines(result: TuneResult, noun: str) -> list[str]:
     return lines
 
 
-def run_tune(args: Any) -> str:
+def run_tune(args: Any) -> TuneResult:
     """``fd-cudagraph tune``: read the traces, take the deployment from the flags and the stats
-    files (a flag and a file that disagree are an error naming both), tune, format."""
+    files (a flag and a file that disagree are an error naming both), tune."""
     histogram = read_histogram(args.trace)
-    deployment = _deployment(args, histogram)
-    result = tune(
+    return tune(
         histogram,
         args.max_graphs,
         args.max_size,
         args.num_speculative_tokens,
         fastdeploy_version=args.fastdeploy_version,
-        deployment=deployment,
+        deployment=_deployment(args, histogram),
     )
-    return _json_text(result.to_json()) if args.json else format_result(result)
-
-
-def _json_text(document: dict) -> str:
-    rows = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in document.items()]
-    return "{\n" + ",\n".join(rows) + "\n}"
 
 
 def _deployment(args: Any, histogram: Histogram) -> Deployment:
