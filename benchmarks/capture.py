@@ -42,6 +42,7 @@ from conftest import TinyBackbone, make_config  # noqa: E402
 from dispatch import (  # noqa: E402
     BackendFileError,
     NoopRuntime,
+    add_backend_option,
     bounded,
     load_fastdeploy_backend,
 )
@@ -158,12 +159,7 @@ def captured_graphs(backend) -> int:
 def main(argv: list[str] | None = None) -> int:
     global EAGER_SECONDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--fastdeploy-backend",
-        type=Path,
-        default=None,
-        help="FastDeploy's cudagraph_piecewise_backend.py, timed beside the plugin (default: none)",
-    )
+    add_backend_option(parser)
     parser.add_argument("--max-num-seqs", type=bounded(1, 512), default=64)
     parser.add_argument("--eager-ms", type=bounded(0, 1000), default=2)
     parser.add_argument(

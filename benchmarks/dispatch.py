@@ -339,14 +339,18 @@ def bounded(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_backend_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fastdeploy-backend",
         type=Path,
         default=None,
         help="FastDeploy's cudagraph_piecewise_backend.py, timed beside the plugin (default: none)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_backend_option(parser)
     parser.add_argument("--max-num-seqs", type=bounded(2, 512), default=256)
     parser.add_argument("--number", type=bounded(1, 10_000_000), default=20000)
     parser.add_argument("--repeat", type=bounded(2, 1000), default=7)

@@ -168,6 +168,13 @@ def _sizes(flag: str, key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _say_ignored(given: Given, flag: str, ignored: list[str]) -> None:
+    if ignored:
+        given.notes.append(
+            f"{flag}: {', '.join(ignored)} change nothing FastDeploy captures; not shown here."
+        )
+
+
 def add_graph_config(given: Given, text: str) -> None:
     flag = "--graph-optimization-config"
     ignored = []
@@ -186,10 +193,7 @@ def add_graph_config(given: Given, text: str) -> None:
             given.set(name, _int(flag, key, value, 1, MAX_PREFILL_SHAPE), where)
         else:
             given.set(name, _bool(flag, key, value), where)
-    if ignored:
-        given.notes.append(
-            f"{flag}: {', '.join(ignored)} change nothing FastDeploy captures; not shown here."
-        )
+    _say_ignored(given, flag, ignored)
 
 
 def add_speculative_config(given: Given, text: str) -> None:
@@ -217,7 +221,4 @@ def add_speculative_config(given: Given, text: str) -> None:
             given.set(name, _int(flag, key, value, 0, MAX_SPECULATIVE_TOKENS), where)
         else:
             given.set(name, _int(flag, key, value, 1, MAX_SPECULATIVE_TOKENS), where)
-    if ignored:
-        given.notes.append(
-            f"{flag}: {', '.join(ignored)} change nothing FastDeploy captures; not shown here."
-        )
+    _say_ignored(given, flag, ignored)
