@@ -2,13 +2,25 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+URL = "https://github.com/fd-cudagraph-plugin/fd-cudagraph-plugin"
+
 setup(
     name="fd-cudagraph-plugin",
     version="0.4.0",
-    description="A faster, leaner CUDA-graph backend for FastDeploy 2.x, loaded as a plugin",
+    description=(
+        "A replacement CUDA-graph backend for PaddlePaddle FastDeploy 2.x, loaded as a plugin; "
+        "tested on CPU stand-ins and a torch GPU stand-in, not yet with Paddle on a GPU"
+    ),
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
+    # The project's repository; the README names no other.
+    url=URL,
+    project_urls={
+        "Source": URL,
+        "Issues": f"{URL}/issues",
+        "Changelog": f"{URL}/blob/main/CHANGELOG.md",
+    },
     python_requires=">=3.10",
     packages=find_packages(include=["fd_cudagraph_plugin", "fd_cudagraph_plugin.*"]),
     # No Paddle and no FastDeploy here: FastDeploy users already have paddlepaddle-gpu from

@@ -10,8 +10,10 @@ dummy run also runs one eager prefill step, outside either backend.
 FastDeploy recaptures after an RL weight update or a wake-up: FastDeploy's backend warms every
 size up again in full, the plugin once per size it captured before (core/warmups.py). It prints
 the warm-ups per size each backend ran (forwards through the backend, less the captured one;
-for the plugin also its ``capture_report``) and the median of the per-round ratios plugin /
-FastDeploy.
+for the plugin also its ``capture_report``). Every time per size is the median over the rounds
+with the least and the most; with ``--fastdeploy-backend`` each capture also gets the per-round
+ratio plugin / FastDeploy, "below noise" where the rounds disagree on which was faster. Without it
+only the plugin's own figures are printed.
 
     python benchmarks/capture.py [--recapture] \
         --fastdeploy-backend PATH/TO/cudagraph_piecewise_backend.py
@@ -24,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,10 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "fastdeploy_stub"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+# Paddle's import warns that ccache is missing, which says nothing about what is timed here.
+warnings.filterwarnings("ignore", message="No ccache found")
 
 import paddle  # noqa: E402
 from conftest import TinyBackbone, make_config  # noqa: E402
-from dispatch import NoopRuntime, load_fastdeploy_backend  # noqa: E402
+from dispatch import (  # noqa: E402
+    BackendFileError,
+    NoopRuntime,
+    add_backend_option,
+    bounded,
+    load_fastdeploy_backend,
+)
 from fastdeploy.model_executor.graph_optimization import graph_optimization_backend  # noqa: E402
 from fastdeploy.model_executor.graph_optimization.decorator import (  # noqa: E402
     support_graph_optimization,
@@ -45,6 +56,7 @@ from fd_cudagraph_plugin.core import hooks, process, runtime  # noqa: E402
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend  # noqa: E402
 
 EAGER_SECONDS = 0.002
+PLUGIN, FASTDEPLOY = "fd-cudagraph-plugin", "FastDeploy backend"
 
 
 class Timing(NamedTuple):
@@ -147,10 +159,12 @@ def captured_graphs(backend) -> int:
 def main(argv: list[str] | None = None) -> int:
     global EAGER_SECONDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fastdeploy-backend", type=Path, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--eager-ms", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians shown")
+    add_backend_option(parser)
+    parser.add_argument("--max-num-seqs", type=bounded(1, 512), default=64)
+    parser.add_argument("--eager-ms", type=bounded(0, 1000), default=2)
+    parser.add_argument(
+        "--rounds", type=bounded(1, 100), default=5, help="interleaved rounds; medians shown"
+    )
     parser.add_argument(
         "--recapture", action="store_true", help="also clear_graph() + capture_model() again"
     )
@@ -162,11 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     runtime.install_runtime(NoopRuntime(), name="simulated")
     backends = {}
     if args.fastdeploy_backend is not None:
-        native = load_fastdeploy_backend(args.fastdeploy_backend)
+        try:
+            native = load_fastdeploy_backend(args.fastdeploy_backend)
+        except BackendFileError as error:
+            print(f"capture.py: {error}.", file=sys.stderr)
+            return 2
         native.graphs = type("graphs", (), {"CUDAGraph": NoopCudaGraph})
         paddle.device.synchronize = lambda *a, **k: None  # CPU Paddle refuses; a GPU would wait
-        backends["FastDeploy backend"] = native.CudaGraphPiecewiseBackend
-    backends["fd-cudagraph-plugin"] = CudaGraphBackend
+        backends[FASTDEPLOY] = native.CudaGraphPiecewiseBackend
+    backends[PLUGIN] = CudaGraphBackend
     # Interleaved rounds, the order reversed on odd ones, medians: load that comes and goes
     # hits both alike. timings[name][round] is [first capture] or [first, recapture].
     timings: dict[str, list[list[Timing]]] = {name: [] for name in backends}
@@ -191,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         f"capture_model() over {first.sizes} sizes (max_num_seqs={args.max_num_seqs}), "
         f"eager forward {args.eager_ms:g} ms, 2 warm-ups per size (FastDeploy's default); every "
         f"backend captured all {first.sizes} sizes in every round.\n"
-        f"Median of {args.rounds} interleaved rounds. Per size excludes the session's one-off "
-        f"setup (the plan agreement), shown apart."
+        f"{args.rounds} interleaved rounds: the median round's total, and time per size as the "
+        "median (min..max over rounds). Per size excludes the session's one-off setup (the plan "
+        "agreement), shown apart."
+        + ("" if FASTDEPLOY in backends else " Without --fastdeploy-backend: the plugin alone.")
     )
     print_section(timings, 0)
     if args.recapture:
@@ -201,30 +221,20 @@ def main(argv: list[str] | None = None) -> int:
             "weight update or a wake-up):"
         )
         print_section(timings, 1)
-        plugin, fastdeploy = "fd-cudagraph-plugin", "FastDeploy backend"
-        if fastdeploy in timings:
-            ratios = [
-                statistics.median(
-                    p[i].per_size / f[i].per_size
-                    for p, f in zip(timings[plugin], timings[fastdeploy], strict=True)
-                )
-                for i in (0, 1)
-            ]
-            print(
-                f"plugin / FastDeploy per size (median of per-round ratios): first capture "
-                f"{ratios[0]:.2f}, recapture {ratios[1]:.2f}"
-            )
     return 0
 
 
 def print_section(timings: dict[str, list[list[Timing]]], index: int) -> None:
-    """One row per backend: the median round of capture ``index`` (0 first, 1 recapture)."""
-    rows = [
-        (name, sorted(runs[index] for runs in rounds)[len(rounds) // 2])
-        for name, rounds in timings.items()
-    ]
-    reference_name, reference = rows[0][0], rows[0][1].per_size
-    for name, run in rows:
+    """One row per backend for capture ``index`` (0 first, 1 recapture): the median round, and
+    the least and most time per size over the rounds. With FastDeploy's backend, the plugin's
+    time as a multiple of FastDeploy's, per round; none without it (a row against itself says
+    nothing)."""
+    names = list(timings)
+    per_size = {
+        name: [runs[index].per_size * 1e3 for runs in rounds] for name, rounds in timings.items()
+    }
+    for name, rounds in timings.items():
+        run = sorted(runs[index] for runs in rounds)[len(rounds) // 2]
         reported = (
             ""
             if run.reported_warmups is None
@@ -232,10 +242,25 @@ def print_section(timings: dict[str, list[list[Timing]]], index: int) -> None:
         )
         each = "warm-up" if run.warmups == 1 else "warm-ups"
         print(
-            f"  {name:44s} total {run.seconds * 1e3:6.1f} ms (setup {run.setup * 1e3:4.1f} ms)  "
-            f"{run.per_size * 1e3:6.2f} ms/size  {run.per_size / reference:.2f}x "
-            f"{reference_name}'s time  {run.warmups:g} {each}/size{reported}"
+            f"  {name:22s} total {run.seconds * 1e3:6.1f} ms (setup {run.setup * 1e3:4.1f} ms)  "
+            f"{spread(per_size[name], 2)} ms/size  {run.warmups:g} {each}/size{reported}"
         )
+    if len(names) == 2:
+        print(f"  {PLUGIN} / {FASTDEPLOY}'s time per size, per round: {ratio_text(per_size)}")
+
+
+def spread(values: list[float], digits: int) -> str:
+    """``median (min..max)``."""
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f} ({low:.{digits}f}..{high:.{digits}f})"
+
+
+def ratio_text(per_size: dict[str, list[float]]) -> str:
+    """The per-round ratios plugin / FastDeploy: median (min..max), and "below noise" where the
+    rounds disagree on which backend was faster."""
+    ratios = [p / f for p, f in zip(per_size[PLUGIN], per_size[FASTDEPLOY], strict=True)]
+    text = f"{spread(ratios, 2)}x"
+    return f"{text}: below noise" if min(ratios) <= 1 <= max(ratios) else text
 
 
 if __name__ == "__main__":

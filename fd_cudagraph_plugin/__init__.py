@@ -1,4 +1,7 @@
-"""fd-cudagraph-plugin: a faster, leaner CUDA-graph backend for FastDeploy 2.x.
+"""fd-cudagraph-plugin: a replacement CUDA-graph backend for PaddlePaddle FastDeploy 2.x.
+
+What has been verified where (CPU stand-ins, a torch stand-in on one GPU; not yet Paddle on a
+GPU) is in the README and docs/design.md.
 
 Install with pip and set ``FD_PLUGINS=fd_cudagraph_plugin``. Importing this package is cheap and
 does no CUDA work; Paddle is imported only when the backend is first used.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -12,8 +15,11 @@ import pytest
 # SOT compiles even tiny functions into partial programs, so the static (dy2st) modes really run
 # Paddle's run_program with CUDA-graph attributes on the CPU. Set before Paddle is imported.
 os.environ["MIN_GRAPH_SIZE"] = "0"
-# FastDeploy's legacy loggers write files under FD_LOG_DIR; keep them out of the checkout.
-os.environ.setdefault("FD_LOG_DIR", tempfile.mkdtemp(prefix="fd-stub-log-"))
+# FastDeploy's legacy loggers write files under FD_LOG_DIR; keep them out of the checkout, and
+# leave nothing in $TMPDIR either (benchmarks/capture.py imports this module too).
+if "FD_LOG_DIR" not in os.environ:
+    os.environ["FD_LOG_DIR"] = tempfile.mkdtemp(prefix="fd-stub-log-")
+    atexit.register(shutil.rmtree, os.environ["FD_LOG_DIR"], ignore_errors=True)
 
 STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
 if str(STUB) not in sys.path:
@@ -350,3 +356,13 @@ class FlakyBackboneForRunner(TinyBackbone):
         if current is not None and current.capturing:
             raise RuntimeError(self.message)
         return super().forward(ids_remove_padding, forward_meta)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """pytest removes each test's tmp_path (``tmp_path_retention_policy = none``) but leaves the
+    empty ``pytest-of-<user>`` folder behind it in $TMPDIR; an empty one goes too."""
+    import getpass
+
+    with contextlib.suppress(OSError, KeyError):
+        os.rmdir(Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}")

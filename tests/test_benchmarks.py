@@ -112,3 +112,74 @@ def test_gpu_run_sh_refuses_an_unknown_part_with_exit_2_before_running_any(parts
         f"unknown part '{unknown}' (parts: setup main pair ctime dispatch fail budget recapture)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+SEED_BACKEND = REPO.parent / "shared" / "seed" / "cudagraph_piecewise_backend.py.txt"
+
+
+def run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+        check=False,
+    )
+
+
+def test_dispatch_benchmark_rows_run_with_the_address_check_they_name():
+    """Options are read once per process: the sampled:100 and always rows measured plain
+    dispatch until each backend read them again. The benchmark now proves each row's guard."""
+    done = run_benchmark("dispatch.py", "--number", "200", "--repeat", "2")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    guard_lines = [line for line in done.stdout.splitlines() if line.startswith("address guard")]
+    assert (
+        guard_lines
+        == [
+            "address guard, 100 calls with the input moved: off refused 0, sampled:100 refused 1, "
+            "always refused 100"
+        ]
+        * 2
+    )
+    assert "median (min..max over rounds)" in done.stdout
+    # Without FastDeploy's backend, the plugin's own figures and no ratio.
+    assert "ratio" not in done.stdout and "FastDeploy backend" not in done.stdout
+    assert "No ccache found" not in done.stderr
+
+
+@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
+def test_dispatch_benchmark_with_fastdeploys_backend_prints_the_ratio_with_its_spread():
+    done = run_benchmark(
+        "dispatch.py", "--number", "200", "--repeat", "2", "--fastdeploy-backend", SEED_BACKEND
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    ratios = [line for line in done.stdout.splitlines() if line.startswith("overhead ratio")]
+    assert len(ratios) == 2 and all("per round: " in line and ".." in line for line in ratios)
+
+
+@pytest.mark.parametrize("name", ["dispatch.py", "capture.py"])
+def test_a_file_that_is_no_fastdeploy_backend_is_one_line_naming_the_flag(name, tmp_path):
+    path = tmp_path / "backend.py"
+    path.write_text("this is not python\n")
+    done = run_benchmark(name, "--fastdeploy-backend", str(path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith(name)]
+    assert f"--fastdeploy-backend {path}: it does not load as FastDeploy's backend" in line
+
+
+def test_capture_benchmark_without_fastdeploys_backend_prints_no_ratio_against_itself():
+    """It printed "1.00x fd-cudagraph-plugin's time" for the plugin against itself."""
+    done = run_capture_benchmark()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "x " not in done.stdout.replace("max ", "") and "1.00x" not in done.stdout
+    assert "Without --fastdeploy-backend: the plugin alone." in done.stdout
+    assert "ms/size" in done.stdout and "(" in done.stdout.split("ms/size")[0]
+
+
+@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
+def test_capture_benchmark_with_fastdeploys_backend_gives_the_per_round_ratio():
+    done = run_capture_benchmark("--fastdeploy-backend", str(SEED_BACKEND))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if "per round:" in x]
+    assert line.strip().startswith("fd-cudagraph-plugin / FastDeploy backend's time per size")

@@ -116,3 +116,50 @@ def test_sigterm_ends_the_demo_with_143_and_no_traceback(tmp_path):
     assert b"Traceback" not in out + err and b"Termination signal" not in out + err
     assert out == b""
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_long_demo_shows_progress_and_its_rate_on_standard_error(capsys):
+    """``demo --steps 100000`` ran 4.5 minutes without a word."""
+    run_demo(sizes=[1, 2], steps=40, runtime_name="simulated")
+    err = capsys.readouterr().err
+    assert "demo: served: 100%" in err and "40/40" in err and "step/s" in err
+
+
+def test_a_demo_error_is_one_line_without_paddles_warnings(tmp_path):
+    """Paddle's ccache warning made each demo error three lines."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "demo", "--runtime", "cuda"],
+        cwd=tmp_path,
+        env=_env_without("FD_LOG_DIR"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("fd-cudagraph: --runtime cuda: this Paddle is not compiled with CUDA")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plan"], ["tune", "-"], ["doctor"], ["demo", "--steps", "2", "--sizes", "1"]],
+    ids=lambda argv: argv[0],
+)
+def test_no_tool_leaves_anything_in_tmpdir(argv, tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**_env_without("FD_LOG_DIR"), "TMPDIR": str(scratch)}
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
+        cwd=tmp_path,
+        env=env,
+        input="3\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
+    assert list(scratch.iterdir()) == []

@@ -15,10 +15,10 @@ from fd_cudagraph_plugin.core.options import OPTIONS
 from fd_cudagraph_plugin.plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 from fd_cudagraph_plugin.tools import doctor
 from fd_cudagraph_plugin.tools.cli import main
-from fd_cudagraph_plugin.tools.doctor import FAIL, OK, WARN
+from fd_cudagraph_plugin.tools.doctor import FAIL, OK, SKIP, WARN
 
 STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
-READY = {"FD_PLUGINS": ENTRY_POINT_NAME, "FD_CUDAGRAPH_RUNTIME": "simulated"}
+READY = {"FD_PLUGINS": ENTRY_POINT_NAME}
 
 
 def _entry_points(*points: importlib.metadata.EntryPoint):
@@ -130,16 +130,35 @@ def test_fastdeploy_without_the_backend_name_fails(monkeypatch):
 # --------------------------------------------------------------- Paddle and CUDA graphs
 
 
-@pytest.mark.parametrize("check", [doctor.check_paddle, doctor.check_cuda_graphs])
-def test_cpu_paddle_fails_for_serving_and_warns_on_the_simulated_runtime(check):
+def _cpu_paddle() -> None:
     import paddle
 
     if paddle.is_compiled_with_cuda():
         pytest.skip("this Paddle has CUDA")
-    failed = check({})
-    assert failed.status == FAIL and "paddlepaddle-gpu" in failed.fix
-    warned = check({"FD_CUDAGRAPH_RUNTIME": "simulated"})
-    assert warned.status == WARN and "simulated" in warned.detail
+
+
+@pytest.mark.parametrize("environ", [{}, {"FD_CUDAGRAPH_RUNTIME": "simulated"}], ids=str)
+def test_a_cpu_build_of_paddle_is_one_fail_and_the_checks_it_blocks_are_skipped(environ):
+    """It was three FAILs for one cause (Paddle, CUDA graphs, platform), the platform's with
+    "nothing needs fixing"; the simulated runtime turned two of them into warnings."""
+    _cpu_paddle()
+    results = {r.name: r for r in doctor.run_checks({"FD_PLUGINS": ENTRY_POINT_NAME, **environ})}
+    paddle = results["Paddle"]
+    assert paddle.status == FAIL and "CPU build" in paddle.detail
+    assert "paddlepaddle-gpu" in paddle.fix and "nothing needs fixing" not in paddle.line()
+    for name in ("CUDA graphs", "platform"):
+        assert results[name].status == SKIP
+        assert results[name].detail == "not checked: see the Paddle line."
+    assert [r.name for r in results.values() if r.status == FAIL] == (
+        ["Paddle", "options"] if environ else ["Paddle"]
+    )
+
+
+def test_the_simulated_runtime_is_refused_for_serving_saying_how_to_unset_it():
+    """doctor passed with the test-only FD_CUDAGRAPH_RUNTIME=simulated set."""
+    result = doctor.check_options({"FD_CUDAGRAPH_RUNTIME": "simulated"})
+    assert result.status == FAIL and "for the tests and the demo" in result.detail
+    assert "unset FD_CUDAGRAPH_RUNTIME" in result.fix
 
 
 @pytest.mark.parametrize("check", ["check_paddle", "check_cuda_graphs", "check_platform"])
@@ -154,20 +173,22 @@ def test_with_fastdeploys_own_backend_the_cuda_runtime_is_not_checked(check):
     [
         ("xpu", "FastDeploy's platform is XPU, not NVIDIA CUDA"),
         ("maca", "FastDeploy's platform is MetaX (MACA), not NVIDIA CUDA"),
-        ("cuda", "this Paddle is not compiled with CUDA"),  # this machine's Paddle is a CPU build
     ],
 )
-def test_doctor_says_when_the_plugin_stands_aside_as_register_logs_it(device, why, capsys):
-    import paddle
+def test_on_another_accelerator_the_plugin_stands_aside_as_register_logs_it(device, why, capsys):
+    """By design, not a fault: FastDeploy serves there with its own backend (a WARN, no fix)."""
     from fastdeploy.platforms import current_platform
 
-    if paddle.is_compiled_with_cuda():
-        pytest.skip("this Paddle has CUDA")
+    _cpu_paddle()
     current_platform.device_name = device
-    assert main(["doctor"]) == 1
-    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL  platform")]
-    assert line.startswith("FAIL  platform: fd-cudagraph-plugin") and why in line
-    assert "stands aside" in line and "keeps its own CUDA-graph backend" in line
+    results = {r.name: r for r in doctor.run_checks({"FD_PLUGINS": ENTRY_POINT_NAME})}
+    platform = results["platform"]
+    assert platform.status == WARN and not platform.fix
+    assert platform.detail.startswith("fd-cudagraph-plugin") and why in platform.detail
+    assert "stands aside" in platform.detail and "its own CUDA-graph backend" in platform.detail
+    assert results["Paddle"].status == OK and results["CUDA graphs"].status == SKIP
+    assert doctor.exit_code(results.values()) == 0
+    assert "which stands aside here" in doctor.format_results(list(results.values()))
 
 
 def test_the_platform_check_passes_where_register_installs_the_plugin(monkeypatch):
@@ -203,8 +224,8 @@ def test_free_form_options_are_checked_by_their_parser(option):
 
 
 def test_set_options_are_listed():
-    result = doctor.check_options({"FD_CUDAGRAPH_RUNTIME": "simulated"})
-    assert result.status == OK and "FD_CUDAGRAPH_RUNTIME=simulated; the other" in result.detail
+    result = doctor.check_options({"FD_CUDAGRAPH_POOL": "graph"})
+    assert result.status == OK and "FD_CUDAGRAPH_POOL=graph; the other" in result.detail
 
 
 @pytest.mark.parametrize(("importable", "status"), [(True, OK), (False, WARN)])
@@ -237,11 +258,23 @@ def test_unknown_option_fails_with_the_closest_known_name_as_register_does():
 def test_every_check_returns_one_result_in_order():
     results = doctor.run_checks(READY)
     assert len(results) == len(doctor.CHECKS)
-    assert all(r.status in (OK, WARN, FAIL) for r in results)
+    assert all(r.status in (OK, WARN, FAIL, SKIP) for r in results)
     assert all("\n" not in r.line() for r in results)
 
 
-def test_exit_code_is_0_when_ready_and_1_on_any_fail(monkeypatch, capsys):
+@pytest.fixture
+def cuda_machine(monkeypatch):
+    """What the checks see on an NVIDIA machine with paddlepaddle-gpu."""
+    import paddle
+
+    from fd_cudagraph_plugin.core.runtime import cuda
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "cuda_graph_support", lambda: True)
+    monkeypatch.setattr(doctor, "cuda_runtime_blocker", lambda: None)
+
+
+def test_exit_code_is_0_when_ready_and_1_on_any_fail(cuda_machine, monkeypatch, capsys):
     for name, value in READY.items():
         monkeypatch.setenv(name, value)
     assert main(["doctor"]) == 0
@@ -278,10 +311,14 @@ def test_without_fastdeploy_the_doctor_fails_and_says_what_to_install(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_with_the_stand_in_fastdeploy_the_doctor_passes(tmp_path):
+def test_with_the_stand_in_fastdeploy_on_this_cpu_machine_only_paddle_fails(tmp_path):
     done = _doctor_subprocess(tmp_path, pythonpath=str(STUB))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr
     assert "OK    FastDeploy: FastDeploy 2.6.0 imports" in done.stdout
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
+    assert [line.split(":")[0] for line in failed] == ["FAIL  Paddle"], done.stdout
+    # Paddle's import says nothing here: no ccache warning, no "Can not import paddle core".
+    assert done.stderr == ""
 
 
 def test_a_removed_option_fails_the_options_check_and_is_no_typo():
@@ -307,6 +344,70 @@ def test_doctor_warns_of_an_output_path_that_is_no_regular_file(tmp_path, specia
     if special == "fifo":
         special = str(tmp_path / "fifo")
         os.mkfifo(special)
-    result = doctor.check_options({"FD_CUDAGRAPH_STATS_FILE": special})
+    result = doctor.check_outputs({"FD_CUDAGRAPH_STATS_FILE": special})
     assert result.status == WARN
     assert f"FD_CUDAGRAPH_STATS_FILE names {special}, which is no regular file" in result.detail
+
+
+# --------------------------------------------------------------- what the plugin writes
+
+
+def test_fd_log_dir_unset_is_fastdeploys_log_resolved_from_here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = doctor.check_outputs({})
+    assert result.status == OK
+    assert f"FastDeploy's default {tmp_path / 'log'} ('log' from {tmp_path})" in result.detail
+    assert "graph-memory record (FD_CUDAGRAPH_KV_RESERVE=auto reads it back) under " in (
+        result.detail
+    )
+    assert str(tmp_path / "log" / "fd_cudagraph") in result.detail
+    assert list(tmp_path.iterdir()) == []  # probed, nothing left
+
+
+def test_a_relative_fd_log_dir_and_every_output_path_are_said_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    environ = {
+        "FD_LOG_DIR": "logs",
+        "FD_CUDAGRAPH_DUMP_DOT": "1",
+        "FD_CUDAGRAPH_STATS_FILE": "out/stats-{rank}.jsonl",
+    }
+    result = doctor.check_outputs(environ)
+    assert result.status == OK, result.detail
+    assert f"FD_LOG_DIR {tmp_path / 'logs'} ('logs' from {tmp_path})" in result.detail
+    assert f"dot files (FD_CUDAGRAPH_DUMP_DOT=1) under {tmp_path / 'logs' / 'GraphDotFiles'}" in (
+        result.detail
+    )
+    assert f"FD_CUDAGRAPH_STATS_FILE under {tmp_path / 'out'}" in result.detail
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda tmp: tmp / "a-file", "is a file, not a directory"),
+        (lambda tmp: "/proc/fd-cudagraph-log", "cannot create files in /proc"),
+        (lambda tmp: "", "is no directory path"),
+    ],
+    ids=["a file", "proc", "empty"],
+)
+def test_an_fd_log_dir_the_record_cannot_go_under_fails(make, said, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = doctor.check_outputs({"FD_LOG_DIR": str(make(tmp_path))})
+    assert result.status == FAIL and said in result.detail and "FD_LOG_DIR" in result.fix
+
+
+def test_the_record_directory_is_where_the_reserve_writes_it(tmp_path):
+    """The doctor names the directory core/reserve.py writes the record to."""
+    from fd_cudagraph_plugin.core import reserve
+
+    record = reserve.Record.for_rank(str(tmp_path), 0, 0)
+    (_, path), *_ = doctor._outputs({"FD_LOG_DIR": str(tmp_path)})
+    assert path == record.path
+
+
+def test_doctor_json_says_its_format(capsys):
+    main(["doctor", "--json"])
+    import json
+
+    document = json.loads(capsys.readouterr().out)
+    assert document["format"] == "fd-cudagraph-doctor/1"
+    assert {c["status"] for c in document["checks"]} <= {OK, WARN, FAIL, SKIP}

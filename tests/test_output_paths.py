@@ -111,10 +111,13 @@ def test_bad_output_path_stops_register_naming_the_variable(monkeypatch, tmp_pat
 @pytest.mark.parametrize("option", PATH_OPTIONS)
 @pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_output_path_fails_doctor_naming_the_variable(tmp_path, option, case):
+    """Once: the options line where register() refuses it, else the outputs line, where the
+    doctor's own probe finds it (/proc for root)."""
     path, reason = _bad_paths(tmp_path)[case]
-    result = doctor.check_options({option: path})
-    assert result.status == doctor.FAIL
-    assert option in result.detail and reason in result.detail
+    checks = {r.name: r for r in doctor.run_checks({option: path, "FD_LOG_DIR": str(tmp_path)})}
+    failed = [checks[name] for name in ("options", "outputs") if checks[name].status == doctor.FAIL]
+    assert len(failed) == 1 and failed[0].name == ("outputs" if case == "proc" else "options")
+    assert option in failed[0].detail and reason in failed[0].detail
 
 
 BRACES = {

@@ -190,10 +190,17 @@ def test_max_num_seqs_is_capped_as_the_release_checks_it(release, capsys):
     base = ["plan", "--fastdeploy-version", release, "--max-num-seqs"]
     assert main([*base, str(cap)]) == 0
     capsys.readouterr()
-    assert main([*base, str(cap + 1)]) == 2
-    assert (
-        f"--max-num-seqs must be at most {cap} on FastDeploy {release}" in capsys.readouterr().err
+    try:
+        code = main([*base, str(cap + 1)])
+    except SystemExit as exit_info:  # above 512: the option's own bound
+        code = exit_info.code
+    assert code == 2
+    said = (
+        f"--max-num-seqs must be at most {cap} on FastDeploy {release}"
+        if cap < 512
+        else "--max-num-seqs: must be an integer in 1..512"
     )
+    assert said in capsys.readouterr().err
 
 
 def test_default_prefill_list_keeps_512_twice_and_counts_one_graph():
@@ -423,19 +430,31 @@ def test_cli_plan_text_names_modes_and_graph_counts(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1; got 0"),
-        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1"),
-        (["--max-capture-shape-prefill", "0"], "--max-capture-shape-prefill must be"),
+        (["--max-num-seqs", "0"], "--max-num-seqs: must be an integer in 1..512 (512 on"),
+        (
+            ["--tensor-parallel-size", "0"],
+            "--tensor-parallel-size/-tp: must be an integer in 1..512",
+        ),
+        (["--max-capture-shape-prefill", "0"], "--max-capture-shape-prefill: must be"),
         (["--spec-method", "mtp", "--num-speculative-tokens", "0"], "must be an integer in 1..5"),
         (["--spec-method", "ngram", "--num-speculative-tokens", "100000000"], "in 1..5"),
-        (["--max-num-seqs", "513"], "--max-num-seqs must be at most 512 on FastDeploy develop"),
-        (["--max-capture-shape-prefill", "1000000000"], "--max-capture-shape-prefill must be at"),
+        (["--max-num-seqs", "513"], "--max-num-seqs: must be an integer in 1..512"),
+        (
+            ["--max-num-seqs", "300", "--fastdeploy-version", "2.5"],
+            "--max-num-seqs must be at most 256 on FastDeploy 2.5",
+        ),
+        (["--max-capture-shape-prefill", "1000000000"], "--max-capture-shape-prefill: must be an"),
         (["--max-num-seqs", "2", "--capture-sizes", "4,8"], "no decode capture size is left"),
     ],
 )
 def test_cli_plan_bad_setting_exits_2_naming_it(argv, message, capsys):
-    assert main(["plan", *argv]) == 2
-    assert message in capsys.readouterr().err
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exit_info:  # a value its option's type refuses: argparse's usage error
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
 
 
 ROUGH_EDGES = [
@@ -447,7 +466,7 @@ ROUGH_EDGES = [
         "FastDeploy's NAIVE has no draft tokens",
     ),
     # A tensor-parallel size of 10^11 used to be accepted.
-    (["--tensor-parallel-size", "100000000000"], "--tensor-parallel-size must be at most 512"),
+    (["--tensor-parallel-size", "100000000000"], "--tensor-parallel-size/-tp: must be an integer"),
     (
         ["--spec-method", "suffix", "--fastdeploy-version", "2.4"],
         "FastDeploy 2.4 has no such method",
@@ -462,7 +481,11 @@ ROUGH_EDGES = [
 @pytest.mark.parametrize(("argv", "message"), ROUGH_EDGES, ids=[m for _, m in ROUGH_EDGES])
 def test_settings_fastdeploy_would_ignore_or_refuse_exit_2_naming_the_flag(argv, message, capsys):
     argv = argv.split() if isinstance(argv, str) else argv
-    assert main(["plan", *argv]) == 2
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -473,7 +496,7 @@ def test_settings_fastdeploy_would_ignore_or_refuse_exit_2_naming_the_flag(argv,
         (["plan", "--capture-sizes", "-1,2"], "--capture-sizes: sizes must be positive integers"),
         (["plan", "--capture-sizes-prefill", "-8"], "--capture-sizes-prefill: sizes must be"),
         (["demo", "--sizes", "-4,8"], "--sizes: sizes must be positive integers"),
-        (["plan", "--max-num-seqs", "-5"], "--max-num-seqs must be an integer >= 1; got -5"),
+        (["plan", "--max-num-seqs", "-5"], "--max-num-seqs: must be an integer in 1..512"),
     ],
 )
 def test_a_negative_value_is_checked_as_a_value_not_taken_for_an_option(argv, message, capsys):
@@ -567,3 +590,160 @@ def test_cli_plan_takes_the_role_and_the_draft_flag(capsys):
     assert json.loads(capsys.readouterr().out)["cudagraph_capture_sizes"] == [16, 8, 4]
     assert main(["plan", "--spec-method", "mtp", "--no-draft-model-use-cudagraph"]) == 0
     assert "MTP draft model:" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------- FastDeploy's own flags
+
+
+def _plan_json(argv: list[str], capsys) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("fastdeploy", "own"),
+    [
+        (
+            ["--graph-optimization-config", '{"cudagraph_capture_sizes": [1, 2, 4]}'],
+            ["--capture-sizes", "1,2,4"],
+        ),
+        (
+            ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+            ["--spec-method", "mtp", "--num-speculative-tokens", "2"],
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram_match", "num_speculative_tokens": 1}'],
+            ["--spec-method", "ngram"],
+        ),
+        (
+            [
+                "--graph-optimization-config",
+                '{"graph_opt_level": 1, "full_cuda_graph": false, "cudagraph_only_prefill": true, '
+                '"max_capture_shape_prefill": 64, "use_cudagraph": true}',
+            ],
+            [
+                *("--graph-opt-level", "1", "--no-full-cuda-graph", "--only-prefill"),
+                *("--max-capture-shape-prefill", "64"),
+            ],
+        ),
+        (
+            ["-tp", "4", "--enable-expert-parallel", "--splitwise-role", "decode"],
+            [
+                "--tensor-parallel-size",
+                "4",
+                "--sequence-parallel-moe",
+                "--splitwise-role",
+                "decode",
+            ],
+        ),
+    ],
+    ids=["capture sizes", "mtp", "ngram_match", "levels", "expert parallel"],
+)
+def test_fastdeploys_own_flags_plan_what_the_plans_own_flags_plan(fastdeploy, own, capsys):
+    base = ["--max-num-seqs", "16", "--fastdeploy-version", "2.6"]
+    theirs = _plan_json([*base, *fastdeploy], capsys)
+    ours = _plan_json([*base, *own], capsys)
+    theirs.pop("notes"), ours.pop("notes")
+    assert theirs == ours
+
+
+def test_the_same_setting_given_both_ways_with_two_values_names_both_flags(capsys):
+    argv = ["plan", "--spec-method", "mtp", "--speculative-config", '{"method": "suffix"}']
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--spec-method and --speculative-config method disagree" in err and "'suffix'" in err
+    argv = ["plan", "--sequence-parallel-moe", "--disable-sequence-parallel-moe"]
+    assert main(argv) == 2
+    assert "--sequence-parallel-moe and --disable-sequence-parallel-moe disagree" in (
+        capsys.readouterr().err
+    )
+    # The same value both ways is one setting.
+    assert main(["plan", "--capture-sizes", "4,2", "--graph-optimization-config",
+                 '{"cudagraph_capture_sizes": [4, 2]}']) == 0  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        (
+            "--graph-optimization-config",
+            '{"cudagraph_capture_size": [1]}',
+            "'cudagraph_capture_size' is no key of FastDeploy's config (did you mean "
+            "cudagraph_capture_sizes?)",
+        ),
+        ("--graph-optimization-config", '{"use_cudagraph": 1}', "use_cudagraph must be true"),
+        ("--graph-optimization-config", '{"cudagraph_capture_sizes": []}', "non-empty list"),
+        ("--graph-optimization-config", '{"graph_opt_level": 3}', "graph_opt_level must be"),
+        ("--graph-optimization-config", "[1, 2]", "must be a JSON object; got list"),
+        ("--graph-optimization-config", "{use_cudagraph: true}", "is not valid JSON"),
+        ("--speculative-config", '{"method": "eagle"}', "method must be one of"),
+        ("--speculative-config", '{"num_speculative_tokens": 9}', "in 0..5"),
+        ("--speculative-config", '{"method": "ngram", "num_model_steps": 2}', "MTP only"),
+        ("--graph-optimization-config", "x" * 70000, "at most 65536 are read"),
+    ],
+    ids=lambda v: v[:30] if isinstance(v, str) else v,
+)
+def test_fastdeploys_json_is_checked_as_fastdeploy_takes_it_in_one_line(flag, value, said, capsys):
+    assert main(["plan", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1 and err.startswith(f"fd-cudagraph: {flag}")
+
+
+def test_keys_that_change_nothing_captured_are_named_and_use_cudagraph_false_captures_nothing(
+    capsys,
+):
+    config = '{"use_cudagraph": false, "cudagraph_num_of_warmups": 3}'
+    assert main(["plan", "--graph-optimization-config", config]) == 0
+    out = capsys.readouterr().out
+    assert "total graphs: 0" in out and "use_cudagraph is false" in out
+    assert "cudagraph_num_of_warmups change nothing FastDeploy captures" in out
+
+
+def test_num_model_steps_raises_k_for_mtp_as_speculative_config_does():
+    plan = derive_plan(PlanInput(8, spec_method="mtp", num_model_steps=3))
+    assert plan.num_speculative_tokens == 3
+    assert any("num_model_steps 3 raises num_speculative_tokens to 3" in n for n in plan.notes)
+
+
+# --------------------------------------------------------------- fastdeploy-gpu versions
+
+
+@pytest.mark.parametrize(
+    ("version", "tree"),
+    [
+        ("2.4", "2.4"),
+        ("2.4.1", "2.4"),
+        ("2.5.0.post1", "2.5"),
+        ("2.5", "2.5"),
+        ("2.6.1", "2.6"),
+        ("develop", "develop"),
+        ("2.5-cherry-pick", "2.5-cherry-pick"),
+    ],
+)
+def test_a_fastdeploy_gpu_version_is_answered_by_its_release_lines_rules(version, tree, capsys):
+    document = _plan_json(["--fastdeploy-version", version], capsys)
+    assert document["fastdeploy_version"] == tree
+    assert document["fastdeploy_version_asked"] == version
+    assert document["rules_branch"] == RULES[tree].branch
+    assert document["format"] == "fd-cudagraph-plan/1"
+    main(["plan", "--fastdeploy-version", version])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"rules: FastDeploy {tree} rules")
+    assert (f"(for fastdeploy-gpu {version})" in first) == (version != tree)
+
+
+@pytest.mark.parametrize(
+    ("version", "said"),
+    [
+        ("2.7.0", "fastdeploy-gpu 2.7.0 is no release line these rules were read for"),
+        ("2.3", "no release line"),
+        ("2.6.0-dev", "(a develop build: pass develop)"),
+        ("latest", "must be a fastdeploy-gpu version"),
+    ],
+)
+def test_a_version_no_rules_answer_is_one_line_saying_which_do(version, said, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--fastdeploy-version", version])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert said in line and "--fastdeploy-version" in line

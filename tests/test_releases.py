@@ -132,7 +132,13 @@ def test_develop_at_e53f518_derives_its_lists_as_2_6_does(settings):
 
 def _derived(plan) -> dict:
     """The plan as JSON, without what names the tree (release, branch, commit, notes)."""
-    naming = ("fastdeploy_version", "rules_branch", "rules_commit", "notes")
+    naming = (
+        "fastdeploy_version",
+        "fastdeploy_version_asked",
+        "rules_branch",
+        "rules_commit",
+        "notes",
+    )
     return {key: value for key, value in plan.to_json().items() if key not in naming}
 
 

@@ -19,7 +19,7 @@ from fd_cudagraph_plugin.core.stats import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
 from fd_cudagraph_plugin.tools.cli import main
 from fd_cudagraph_plugin.tools.traces import TraceError, read_histogram
-from fd_cudagraph_plugin.tools.tune import optimal_sizes, padded_tokens, tune
+from fd_cudagraph_plugin.tools.tune import format_result, optimal_sizes, padded_tokens, tune
 
 
 def _brute_force(histogram: dict[int, int], max_graphs: int, top: int) -> int:
@@ -299,7 +299,7 @@ TRUTHS = [
     ("", [], 2, "no decode step with 1 to 512 tokens", "3072"),
     ("", ["--fastdeploy-version", "2.5"], 2, "no decode step with 1 to 256 tokens", "3072"),
     ("3\n5\n17\n", [], 0, "decode steps: 3 with 3..17 tokens", "1..17"),
-    ("3\n600\n700\n", [], 0, "tuned   (1 graph): 3\n", "512, 3"),
+    ("3\n600\n700\n", [], 0, "tuned    (1 graph; at most 2, --max-graphs): 3\n", "512, 3"),
     ("600\n", [], 2, "every decode step in the trace has more than 512 tokens", "--max-size"),
     (
         _stats_line(0, "0x1", {3: 10**29}) + "\n",
@@ -462,7 +462,7 @@ SPECULATIVE_ERRORS = [
     ([_running_line(2, {1: 1}), _stats_line(0, "0x1", {1: 1})], [], "mix speculative stats"),
     ([_running_line(2, {1: 1})], ["--num-speculative-tokens", "1"], "differs from the stats"),
     ([_stats_line(0, "0x1", {1: 1})], ["--num-speculative-tokens", "1"], "leave the flag out"),
-    (["3"], ["--num-speculative-tokens", "100000000"], "--num-speculative-tokens must be"),
+    (["3"], ["--num-speculative-tokens", "100000000"], "--num-speculative-tokens: must be"),
 ]
 
 
@@ -472,7 +472,11 @@ def test_speculative_inconsistencies_exit_2_naming_the_field(
 ):
     trace = tmp_path / "stats.jsonl"
     trace.write_text("\n".join(lines) + "\n")
-    assert main(["tune", str(trace), "--max-graphs", "2", *flags]) == 2
+    try:
+        code = main(["tune", str(trace), "--max-graphs", "2", *flags])
+    except SystemExit as exit_info:  # a value the option's type refuses
+        code = exit_info.code
+    assert code == 2
     assert message in capsys.readouterr().err
 
 
@@ -507,7 +511,7 @@ def test_the_report_never_says_fewer_when_the_default_pads_nothing(tmp_path):
     trace = tmp_path / "t.txt"
     trace.write_text("1\n2\n4\n")
     text = format_result(tune(read_histogram([trace]), max_graphs=1))
-    assert "tuned   (1 graph): 4" in text
+    assert "tuned    (1 graph; at most 1, --max-graphs): 4" in text
     assert "default 0 (0.000 per step), the default list pads none" in text
 
 
@@ -521,3 +525,100 @@ def test_a_tuned_list_that_pads_more_than_the_default_is_not_recommended():
     assert result.padded_tokens > result.baseline_padded_tokens
     text = format_result(result)
     assert "keep the default list" in text and "\nuse:" not in text
+
+
+# --------------------------------------------------------------- the deployment it came from
+
+
+def _deployed_line(counts: dict[int, int], **fields) -> str:
+    record = json.loads(_stats_line(0, "0x1", counts))
+    record.update(fields)
+    return json.dumps(record)
+
+
+@pytest.mark.parametrize("same", ["twice", "a link", "another spelling"])
+def test_the_same_file_given_twice_is_refused_not_counted_twice(same, tmp_path, capsys):
+    """``tune f f`` counted every step twice."""
+    trace = tmp_path / "t.txt"
+    trace.write_text("3\n5\n")
+    other = {
+        "twice": trace,
+        "a link": tmp_path / "link.txt",
+        "another spelling": tmp_path / "." / "t.txt",
+    }[same]
+    if same == "a link":
+        other.symlink_to(trace)
+    assert main(["tune", str(trace), str(other), "--max-graphs", "2"]) == 2
+    assert f"{other} is the same file as {trace}; give each trace once" in capsys.readouterr().err
+
+
+def test_stats_lines_with_the_deployed_list_and_max_num_seqs_are_the_baseline(tmp_path, capsys):
+    stats = tmp_path / "stats.jsonl"
+    line = _deployed_line({3: 40, 5: 10, 30: 2, 80: 1}, capture_sizes=[64, 32, 16], max_num_seqs=64)
+    stats.write_text(line + "\n" + line + "\n")
+    assert main(["tune", str(stats)]) == 0
+    out = capsys.readouterr().out
+    assert f"max_num_seqs: 64 (from {stats}:1)" in out
+    assert f"deployed (3 graphs, from {stats}:1): 64, 32, 16" in out
+    # As many graphs as the deployed list by default; the step of 80 is above max_num_seqs.
+    assert "tuned    (3 graphs; at most 3, as many as the deployed list): 30, 5, 3" in out
+    assert "left out (FastDeploy runs them eagerly): 2 steps above 30 tokens" in out
+    (eager,) = [row.split() for row in out.splitlines() if row.startswith("  >30 ")]
+    assert eager[:2] == [">30", "2"] and eager[-1] == "(eager)"
+
+
+def test_a_flag_that_disagrees_with_the_stats_files_names_both(tmp_path, capsys):
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text(_deployed_line({3: 4}, capture_sizes=[8, 4], max_num_seqs=8) + "\n")
+    assert main(["tune", str(stats), "--max-num-seqs", "16"]) == 2
+    assert f"--max-num-seqs 16 and {stats}:1 (max_num_seqs 8) disagree" in capsys.readouterr().err
+    assert main(["tune", str(stats), "--capture-sizes", "8,2"]) == 2
+    err = capsys.readouterr().err
+    assert f"--capture-sizes 8,2 and {stats}:1 (capture_sizes 8,4) disagree" in err
+    assert main(["tune", str(stats), "--capture-sizes", "4,8", "--max-num-seqs", "8"]) == 0
+
+
+def test_stats_of_two_deployments_are_refused(tmp_path, capsys):
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text(
+        _deployed_line({3: 4}, capture_sizes=[8, 4]) + "\n"
+        + _deployed_line({3: 4}, capture_sizes=[8]) + "\n"
+    )  # fmt: skip
+    assert main(["tune", str(stats)]) == 2
+    assert f'{stats}:2: "capture_sizes" differs from {stats}:1\'s' in capsys.readouterr().err
+
+
+def test_the_deployed_list_from_the_command_line_is_compared_and_counts_its_eager_steps(capsys):
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-", "--capture-sizes", "4,2,1"],
+        input="1\n3\n3\n7\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "deployed (3 graphs, from --capture-sizes): 4, 2, 1" in done.stdout
+    assert "above the deployed list's largest size (4): 1 step, which it runs without a graph" in (
+        done.stdout
+    )
+
+
+def test_max_graphs_defaults_to_the_default_lists_length_and_says_so():
+    result = tune({3: 5, 9: 1, 40: 1})
+    assert result.max_graphs == len(default_capture_sizes(40))
+    assert result.max_graphs_from == "as many as the default list"
+
+
+def test_the_traffic_histogram_counts_each_step_under_the_size_it_pads_to():
+    result = tune({1: 2, 3: 5, 4: 1, 9: 1}, max_graphs=2, max_size=9)
+    assert result.capture_sizes == [9, 3]  # 1 and 3 pad to 3, 4 and 9 to 9
+    assert result.traffic == [(3, 7), (9, 2)]
+    text = format_result(result)
+    assert "steps per tuned size" in text and "     3          7  77.8% " in text
+
+
+def test_tune_json_says_its_format(tmp_path, capsys):
+    trace = tmp_path / "t.txt"
+    trace.write_text("3\n")
+    assert main(["tune", str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "fd-cudagraph-tune/1"

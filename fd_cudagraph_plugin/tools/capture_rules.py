@@ -31,6 +31,7 @@ What differs per release, in ``FDConfig.__init__``, ``init_with_cudagrpah_size``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,6 +144,49 @@ RULES = {
 RELEASES = tuple(RULES)
 DEFAULT_RELEASE = "develop"
 
+#: Which rule set answers each ``fastdeploy-gpu`` release line. The 2.5 line has two trees: the
+#: later one (r3_ban_cpucache_2.5, release/2.5 with the upstream cherry-picks to 2026-04-09:
+#: suffix decoding, real_bsz_to_captured_size) answers 2.5; the other (r3_cherry_pick_2.5,
+#: release/2.5 as of 2026-03-18 plus the fork's own commits) only by its tree name, or where
+#: plan recognises an installed FastDeploy as that tree.
+RELEASE_LINES = {"2.4": "2.4", "2.5": "2.5", "2.6": "2.6"}
+#: Tree names the flag also takes, for the two trees no release line maps to.
+TREE_NAMES = ("2.5-cherry-pick", "develop-e53f518")
+#: A ``fastdeploy-gpu`` version as pip shows it: 2.6, 2.6.1, 2.5.0.post1.
+_VERSION = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})(\.[0-9]{1,5})?(\.post[0-9]{1,5})?")
+VERSION_FORMS = (
+    "a fastdeploy-gpu version: 2.4, 2.5 or 2.6, or a full one such as 2.6.1 or 2.5.0.post1; or "
+    "develop"
+)
+
+
+class UnknownVersion(ValueError):
+    """``--fastdeploy-version`` names no version these rules answer; the message says why."""
+
+
+def rules_for_version(text: str) -> str:
+    """The rule set (a ``RULES`` key) that answers ``--fastdeploy-version text``.
+
+    ``develop`` and the tree names answer themselves; a version answers by its release line.
+    """
+    word = text.strip().lower()
+    if word in RULES:
+        return word
+    if len(word) > 40:
+        raise UnknownVersion(f"must be {VERSION_FORMS}; got {text[:40]!r}... ({len(text)} chars)")
+    found = _VERSION.fullmatch(word)
+    if found is None:
+        hint = " (a develop build: pass develop)" if "dev" in word else ""
+        raise UnknownVersion(f"must be {VERSION_FORMS}; got {text!r}{hint}")
+    line = f"{int(found[1])}.{int(found[2])}"
+    if line not in RELEASE_LINES:
+        known = ", ".join(RELEASE_LINES)
+        raise UnknownVersion(
+            f"fastdeploy-gpu {word} is no release line these rules were read for ({known}, and "
+            "develop); pass the nearest, or develop for the newest rules known"
+        )
+    return RELEASE_LINES[line]
+
 
 @dataclass(frozen=True)
 class ServingSettings:
@@ -166,6 +210,10 @@ class ServingSettings:
     splitwise_role: str
     #: None: the release's default.
     draft_model_use_cudagraph: bool | None = None
+    #: ``use_cudagraph`` as given (FastDeploy's default: true).
+    use_cudagraph: bool = True
+    #: FastDeploy's ``use_ep``: expert parallelism over more than one rank.
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -258,9 +306,12 @@ def derive(release: Release, settings: ServingSettings) -> Derived:
     decode, prefill, bsz = _capture_lists(release, s)
     shape_map = fastdeploy_padding_map(decode)
     prefill_map = fastdeploy_padding_map(prefill) if prefill is not None else {}
+    if release.generation == "2.4" and s.expert_parallel:
+        decode = [0, *decode]  # 2.4's FDConfig, after the map: "if use_ep: [0] + sizes"
 
-    # FDConfig.postprocess: the prefill role decides use_cudagraph first.
-    use_cudagraph = s.splitwise_role != "prefill" or s.only_prefill
+    # FDConfig.postprocess: the prefill role sets use_cudagraph to cudagraph_only_prefill,
+    # whatever was given.
+    use_cudagraph = s.only_prefill if s.splitwise_role == "prefill" else s.use_cudagraph
     sp_moe = s.sequence_parallel_moe and use_cudagraph
     if sp_moe and s.splitwise_role == "mixed" and not release.filters_before_roles:
         sp_moe = False  # _disable_sequence_parallel_moe_if_needed("Mixed"), before the filter

@@ -1,4 +1,11 @@
-"""``fd-cudagraph`` (also ``python -m fd_cudagraph_plugin``)."""
+"""``fd-cudagraph`` (also ``python -m fd_cudagraph_plugin``): plain argparse.
+
+Each value option has a type that parses it and checks its one bound (``Integer``, ``Sizes``);
+a bad value is one line naming the option, the bound and the value. The checks that depend on
+other settings (a release's ``max_num_seqs`` limit, a method's ``k``) are the commands' own.
+Signals: ``paddle_import.watching()`` around every command, since any of them may import Paddle
+(``demo``, ``doctor``; ``plan`` and ``tune`` through an installed FastDeploy).
+"""
 
 from __future__ import annotations
 
@@ -6,24 +13,26 @@ import argparse
 import contextlib
 import io
 import json
-import logging
 import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, NoReturn
+from typing import Any, NoReturn
 
-from fd_cudagraph_plugin.core.errors import ConfigError, CudaGraphPluginError
+from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
+from fd_cudagraph_plugin.tools import paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     MAX_PREFILL_SHAPE,
     MAX_SPECULATIVE_TOKENS,
     MAX_TENSOR_PARALLEL_SIZE,
-    RELEASES,
     RULES,
     SPEC_METHODS,
     SPLITWISE_ROLES,
+    TREE_NAMES,
+    VERSION_FORMS,
+    UnknownVersion,
+    rules_for_version,
 )
 from fd_cudagraph_plugin.tools.demo import (
     DEFAULT_SIZES,
@@ -39,181 +48,86 @@ DESCRIPTION = (
     "fd-cudagraph (also python -m fd_cudagraph_plugin): plan, tune and check the CUDA-graph "
     "backend that fd-cudagraph-plugin puts into FastDeploy."
 )
+_WHOLE = re.compile(r"[+-]?[0-9]+")
 
 
-#: A digit string longer than this is above every bound the tools have; it never reaches int()
-#: (which refuses 4301 digits and more with a ValueError).
-_MAX_DIGITS = 30
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_EXAMPLE_SIZES = "such as 1,2,4,8"
-
-
-def _integer(low: int, high: int, note: str = "") -> Callable[[str], int]:
-    """An argparse type for an integer whose range (``low..high``, ``note`` saying more) the
-    command checks itself; a value of more than ``_MAX_DIGITS`` digits is refused here."""
-
-    def integer(text: str) -> int:
-        word = text.strip()
-        if not _INTEGER.fullmatch(word):
-            raise argparse.ArgumentTypeError(
-                f"must be an integer in {low}..{high}{note}; got {shown(text)}"
-            )
-        if len(word.lstrip("+-0")) > _MAX_DIGITS:
-            raise argparse.ArgumentTypeError(f"must be at most {high}{note}; got {shown(word)}")
-        return int(word)
-
-    return integer
-
-
-def _count(maximum: int, why: str) -> Callable[[str], int]:
-    """An argparse type for a count in ``1..maximum``; ``why`` says where the bound comes from."""
-
-    def count(text: str) -> int:
-        word = text.strip()
-        integer = _INTEGER.fullmatch(word) is not None
-        if not integer or word.startswith("-") or not word.strip("+0"):
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= 1; got {shown(word if integer else text)}"
-            )
-        if len(word.lstrip("+0")) > _MAX_DIGITS or int(word) > maximum:
-            raise argparse.ArgumentTypeError(
-                f"must be at most {maximum} ({why}); got {shown(word.lstrip('+'))}"
-            )
-        return int(word)
-
-    return count
-
-
-def _sizes(maximum: int, why: str) -> Callable[[str], list[int]]:
-    """An argparse type for a comma-separated list of sizes in ``1..maximum``. An empty entry
-    (``1,,2``, ``1,2,``) is an error, not skipped: it is no setting FastDeploy would take."""
-
-    def sizes(text: str) -> list[int]:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(
-                f"sizes must be comma-separated positive integers {_EXAMPLE_SIZES}; got {text!r}"
-            )
-        words = [part.strip() for part in text.split(",")]
-        for index, word in enumerate(words, 1):
-            if not word:
-                raise argparse.ArgumentTypeError(
-                    f"entry {index} of {shown(text)} is empty; give comma-separated positive "
-                    f"integers {_EXAMPLE_SIZES}, with no empty entry"
-                )
-            if not _INTEGER.fullmatch(word):
-                raise argparse.ArgumentTypeError(
-                    f"entry {index}, {shown(word)}, is not an integer; give comma-separated "
-                    f"positive integers {_EXAMPLE_SIZES}; got {shown(text)}"
-                )
-        for word in words:
-            if word.startswith("-") or not word.strip("+0"):
-                raise argparse.ArgumentTypeError(
-                    f"sizes must be positive integers; got {shown(text)}"
-                )
-        for word in words:
-            digits = word.lstrip("+0")
-            if len(digits) > _MAX_DIGITS or int(digits) > maximum:
-                raise argparse.ArgumentTypeError(
-                    f"size {shown(digits)} is above {maximum}, {why}; give sizes in 1..{maximum}"
-                )
-        return [int(word) for word in words]
-
-    return sizes
-
-
-#: FastDeploy keeps sequence lengths in int32: no size it takes is larger.
-_PLAN_SIZES = _sizes(
-    TOKEN_LIMIT, "the most tokens a FastDeploy step holds (int32 sequence lengths)"
-)
-
-
-def _seed(text: str) -> int:
+def _as_integer(text: str) -> float | None:
+    """The integer ``text`` holds, or None; one of more than 18 digits, which is above every
+    bound here, is read as infinite rather than handed to ``int()`` (which refuses 4301 digits)."""
     word = text.strip()
-    integer = _INTEGER.fullmatch(word) is not None
-    if not integer or len(word.lstrip("+-0")) > _MAX_DIGITS or not 0 <= int(word) <= DEMO_MAX_SEED:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer in 0..{DEMO_MAX_SEED}; got {shown(word if integer else text)}"
-        )
+    if not _WHOLE.fullmatch(word):
+        return None
+    if len(word.lstrip("+-").lstrip("0")) > 18:
+        return float("-inf") if word.startswith("-") else float("inf")
     return int(word)
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived: unwind (temporary files are removed on the way) and exit 143."""
+class Integer:
+    """An integer option in ``low..high``; ``why`` says where the bound comes from."""
+
+    def __init__(self, low: int, high: int, why: str = "") -> None:
+        self.low, self.high, self.why = low, high, f" ({why})" if why else ""
+
+    def __call__(self, text: str) -> int:
+        value = _as_integer(text)
+        if value is None or not self.low <= value <= self.high:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in {self.low}..{self.high}{self.why}; got {shown(text)}"
+            )
+        return int(value)
 
 
-class _Interrupts:
-    """Ctrl-C or SIGTERM seen during this command, even where a library swallowed the exception.
+class Sizes:
+    """A comma-separated list of sizes in ``1..high``. An empty entry (``1,,2``) is an error, not
+    skipped: it is no setting FastDeploy would take."""
 
-    Paddle's import runs bare ``except:`` clauses (``paddle/base/core.py``): an interrupt there
-    is swallowed and can surface later as an ImportError, which must not read as "no Paddle".
-    Paddle's import also installs its own C++ handler for SIGTERM, which prints a C++ traceback
-    to standard output ("FatalError: `Termination signal` is detected by the operating system");
-    ``reinstall()`` after that import puts this quiet one back.
-    """
+    def __init__(self, high: int, why: str) -> None:
+        self.high, self.why = high, why
 
-    _RAISES: ClassVar[dict[int, type[BaseException]]] = {
-        signal.SIGINT: KeyboardInterrupt,
-        signal.SIGTERM: _Terminated,
-    }
-
-    def __init__(self) -> None:
-        self.seen: int | None = None
-
-    def _handler(self, signum: int, frame: object) -> None:
-        self.seen = signum
-        raise self._RAISES[signum]
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        self.seen = None
-        try:
-            previous = {signum: signal.signal(signum, self._handler) for signum in self._RAISES}
-        except ValueError:  # not the main thread: leave signals alone
-            yield
-            return
-        try:
-            yield
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-    def reinstall(self) -> None:
-        """Take SIGTERM back from a library that replaced the handler below Python (Paddle)."""
-        if signal.getsignal(signal.SIGTERM) == self._handler:
-            signal.signal(signal.SIGTERM, self._handler)
-
-    def check(self) -> None:
-        """Raise again what a signal raised, so no output claims what did not happen."""
-        if self.seen is not None:
-            raise self._RAISES[self.seen]
+    def __call__(self, text: str) -> tuple[int, ...]:
+        give = f"give comma-separated integers in 1..{self.high} such as 1,2,4,8"
+        values = []
+        for index, word in enumerate(text.split(","), 1):
+            value = _as_integer(word)
+            if not word.strip():
+                raise argparse.ArgumentTypeError(f"entry {index} of {text!r} is empty; {give}")
+            if value is None:
+                raise argparse.ArgumentTypeError(
+                    f"entry {index}, {shown(word.strip())}, is not an integer; {give}"
+                )
+            if value < 1:
+                raise argparse.ArgumentTypeError(
+                    f"sizes must be positive integers; got {shown(text)}"
+                )
+            if value > self.high:
+                raise argparse.ArgumentTypeError(
+                    f"size {shown(word.strip().lstrip('+'))} is above {self.high}, {self.why}; "
+                    f"give sizes in 1..{self.high}"
+                )
+            values.append(int(value))
+        return tuple(values)
 
 
-_INTERRUPTS = _Interrupts()
+def _version(text: str) -> str:
+    try:
+        rules_for_version(text)
+    except UnknownVersion as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text.strip()
+
+
+_PLAN_SIZES = Sizes(TOKEN_LIMIT, "the most tokens a FastDeploy step holds (int32 sequence lengths)")
+_NUM_SEQS = Integer(1, DECODE_CAP, "512 on FastDeploy 2.6 and later, 256 before")
+_SPECULATIVE_TOKENS = Integer(1, MAX_SPECULATIVE_TOKENS, "FastDeploy's range")
+
+
+# ------------------------------------------------------------------ commands
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    try:
-        import paddle  # noqa: F401
-    except ImportError:
-        _INTERRUPTS.check()
-        print(
-            "fd-cudagraph demo needs Paddle. Install the CPU wheel with pip install "
-            "paddlepaddle==3.3.1 (what a checkout's demo extra installs: pip install "
-            "'/path/to/fd-cudagraph-plugin[demo]'); on a GPU machine keep your paddlepaddle-gpu.",
-            file=sys.stderr,
-        )
-        return 2
-    _INTERRUPTS.check()
-    _INTERRUPTS.reinstall()
-    from fd_cudagraph_plugin.tools.demo import format_report, run_demo
+    from fd_cudagraph_plugin.tools.demo import run_command
 
-    # The demo prints the capture summary and the stats table itself; keep warnings only.
-    logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
-
-    report = run_demo(sizes=args.sizes, steps=args.steps, seed=args.seed, runtime_name=args.runtime)
-    _INTERRUPTS.check()
-    print(format_report(report))
-    return 0 if report.mismatches == 0 else 1
+    return run_command(args.sizes, args.steps, args.seed, args.runtime)
 
 
 def _json(document: dict) -> str:
@@ -223,72 +137,33 @@ def _json(document: dict) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.tools.plan import PlanInput, derive_plan, format_plan
+    from fd_cudagraph_plugin.tools.plan import derive_plan, format_plan, plan_input
 
-    plan = derive_plan(
-        PlanInput(
-            max_num_seqs=args.max_num_seqs,
-            num_speculative_tokens=args.num_speculative_tokens,
-            spec_method=args.spec_method,
-            tensor_parallel_size=args.tensor_parallel_size,
-            sequence_parallel_moe=args.sequence_parallel_moe,
-            graph_opt_level=args.graph_opt_level,
-            full_cuda_graph=args.full_cuda_graph,
-            max_capture_shape_prefill=args.max_capture_shape_prefill,
-            only_prefill=args.only_prefill,
-            capture_sizes=tuple(args.capture_sizes) if args.capture_sizes else None,
-            capture_sizes_prefill=(
-                tuple(args.capture_sizes_prefill) if args.capture_sizes_prefill else None
-            ),
-            splitwise_role=args.splitwise_role,
-            draft_model_use_cudagraph=args.draft_model_use_cudagraph,
-            fastdeploy_version=args.fastdeploy_version,
-        )
-    )
-    _INTERRUPTS.check()
+    plan = derive_plan(plan_input(vars(args)))
+    paddle_import.check()
     print(_json(plan.to_json()) if args.json else format_plan(plan))
     return 0
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.tools.traces import read_histogram
-    from fd_cudagraph_plugin.tools.tune import format_result, tune
+    from fd_cudagraph_plugin.tools.tune import format_result, run_tune
 
-    if args.trace.count("-") > 1:
-        raise ConfigError("standard input (-) can be given once among the trace files.")
-    result = tune(
-        read_histogram(args.trace),
-        args.max_graphs,
-        args.max_size,
-        args.num_speculative_tokens,
-        fastdeploy_version=args.fastdeploy_version,
-    )
-    _INTERRUPTS.check()
+    result = run_tune(args)
+    paddle_import.check()
     print(_json(result.to_json()) if args.json else format_result(result))
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.tools.doctor import exit_code, format_results, run_checks
+    from fd_cudagraph_plugin.tools.doctor import exit_code, format_results, run_checks, to_json
 
     results = run_checks()
-    _INTERRUPTS.check()
-    if args.json:
-        document = {
-            "checks": [
-                {"name": r.name, "status": r.status, "detail": r.detail, "fix": r.fix}
-                for r in results
-            ],
-            "exit_code": exit_code(results),
-        }
-        print(json.dumps(document, indent=2))
-    else:
-        print(format_results(results))
+    paddle_import.check()
+    print(json.dumps(to_json(results), indent=2) if args.json else format_results(results))
     return exit_code(results)
 
 
-_NUM_SEQS = _integer(1, 512, " (256 on FastDeploy 2.4 and 2.5)")
-_SPECULATIVE_TOKENS = _integer(1, MAX_SPECULATIVE_TOKENS)
+# ------------------------------------------------------------------ the parser
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -297,84 +172,129 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="print the capture sizes and padding maps FastDeploy derives for these settings",
         description="The capture sizes, padding maps and graphs per backend that FastDeploy "
         "derives for these serving settings: computed by the installed FastDeploy's own FDConfig "
-        "when it is the release asked for, else by the project's copy of that release's rules.",
+        "when it is the release asked for, else by the project's copy of that release's rules. "
+        "Takes FastDeploy's own flags as its command line spells them (--max-num-seqs, "
+        "--tensor-parallel-size, --graph-optimization-config and --speculative-config JSON, ...) "
+        "besides its own; a setting given both ways with two values is an error.",
     )
-    plan.add_argument(
+    fastdeploy = plan.add_argument_group("FastDeploy's flags, as its command line spells them")
+    fastdeploy.add_argument(
         "--max-num-seqs",
         type=_NUM_SEQS,
-        default=8,
+        default=None,
         help="max_num_seqs, at most 256 on 2.4 and 2.5 and 512 later (default 8, FastDeploy's "
         "CLI default)",
     )
-    plan.add_argument(
+    fastdeploy.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=Integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
+        default=None,
+        help=f"tensor_parallel_size, 1..{MAX_TENSOR_PARALLEL_SIZE} (default 1)",
+    )
+    fastdeploy.add_argument(
+        "--splitwise-role",
+        choices=SPLITWISE_ROLES,
+        default=None,
+        help="FastDeploy's splitwise_role (default mixed, as FastDeploy's)",
+    )
+    fastdeploy.add_argument(
+        "--data-parallel-size",
+        type=Integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
+        default=None,
+        help="data_parallel_size: with --enable-expert-parallel, experts span data-parallel "
+        "ranks too (default 1)",
+    )
+    fastdeploy.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="expert parallelism: with --tensor-parallel-size above 1 FastDeploy turns "
+        "sequence-parallel MoE on (default off)",
+    )
+    fastdeploy.add_argument(
+        "--disable-sequence-parallel-moe",
+        action="store_true",
+        default=None,
+        help="keep sequence-parallel MoE off under expert parallelism (default off)",
+    )
+    fastdeploy.add_argument(
+        "--graph-optimization-config",
+        metavar="JSON",
+        default=None,
+        help="FastDeploy's --graph-optimization-config object, such as "
+        '\'{"use_cudagraph": true, "cudagraph_capture_sizes": [1, 2, 4]}\' (default: none)',
+    )
+    fastdeploy.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help='FastDeploy\'s --speculative-config object, such as \'{"method": "mtp", '
+        '"num_speculative_tokens": 1}\' (default: none, no speculative decoding)',
+    )
+    own = plan.add_argument_group("the same settings one by one")
+    own.add_argument(
         "--spec-method",
         choices=SPEC_METHODS,
         default=None,
         help="speculative decoding method (default: none, no speculative decoding)",
     )
-    plan.add_argument(
+    own.add_argument(
         "--num-speculative-tokens",
         type=_SPECULATIVE_TOKENS,
         default=None,
         help=f"draft tokens k, 1..{MAX_SPECULATIVE_TOKENS} (default 1 with --spec-method, "
         "FastDeploy's default)",
     )
-    plan.add_argument(
-        "--tensor-parallel-size",
-        type=_integer(1, MAX_TENSOR_PARALLEL_SIZE),
-        default=1,
-        help=f"tensor_parallel_size, 1..{MAX_TENSOR_PARALLEL_SIZE} (default 1)",
-    )
-    plan.add_argument(
+    own.add_argument(
         "--sequence-parallel-moe",
         action="store_true",
-        help="use_sequence_parallel_moe: keeps decode sizes divisible by TP",
+        default=None,
+        help="use_sequence_parallel_moe itself: keeps decode sizes divisible by TP (default off)",
     )
-    plan.add_argument(
+    own.add_argument(
         "--graph-opt-level",
-        type=_integer(0, 2),
-        choices=(0, 1, 2),
-        default=0,
+        type=Integer(0, 2, "0 dynamic, 1 static, 2 static with CINN"),
+        default=None,
         help="graph_opt_level: 0 dynamic, 1 static (SOT), 2 static with CINN (default 0)",
     )
-    plan.add_argument(
+    own.add_argument(
         "--full-cuda-graph",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="full_cuda_graph (default true); --no-full-cuda-graph with level >= 1 is static split",
     )
-    plan.add_argument(
+    own.add_argument(
         "--max-capture-shape-prefill",
-        type=_integer(1, MAX_PREFILL_SHAPE),
+        type=Integer(1, MAX_PREFILL_SHAPE, "8x the V1 scheduler's default max_num_batched_tokens"),
         default=None,
         help=f"max_capture_shape_prefill, 1..{MAX_PREFILL_SHAPE} (default 512; 2.5 and later)",
     )
-    plan.add_argument("--only-prefill", action="store_true", help="cudagraph_only_prefill")
-    plan.add_argument(
+    own.add_argument(
+        "--only-prefill",
+        action="store_true",
+        default=None,
+        help="cudagraph_only_prefill (default off)",
+    )
+    own.add_argument(
         "--capture-sizes",
         type=_PLAN_SIZES,
         default=None,
         help="cudagraph_capture_sizes, e.g. 1,2,4,8 (default: FastDeploy's automatic list)",
     )
-    plan.add_argument(
+    own.add_argument(
         "--capture-sizes-prefill",
         type=_PLAN_SIZES,
         default=None,
         help="cudagraph_capture_sizes_prefill, static split (default: FastDeploy's automatic "
         "list, or 1,2,4,8 with --capture-sizes)",
     )
-    plan.add_argument(
-        "--splitwise-role",
-        choices=SPLITWISE_ROLES,
-        default="mixed",
-        help="FastDeploy's splitwise_role (default mixed, as FastDeploy's)",
-    )
-    plan.add_argument(
+    own.add_argument(
         "--draft-model-use-cudagraph",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="draft_model_use_cudagraph for MTP (default: the release's, true on develop "
-        "(r3_mm_dev) and false on the others)",
+        "and false on the others)",
     )
     _add_release(plan)
     plan.add_argument("--json", action="store_true", help="print JSON")
@@ -386,19 +306,36 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "tune",
         help="choose the capture sizes that pad a recorded decode trace least",
         description="Choose at most N capture sizes with the fewest padded tokens over a decode "
-        "trace (exact), and compare with FastDeploy's default list.",
+        "trace (exact), and compare them with the deployed list (--capture-sizes, or what the "
+        "stats files record), else with FastDeploy's default list.",
     )
     tune.add_argument(
         "trace",
         nargs="+",
         help="one decode token count per line, or the plugin's fd-cudagraph-stats/1 JSON "
-        "lines; - reads standard input",
+        "lines; - reads standard input; each file once",
     )
     tune.add_argument(
         "--max-graphs",
-        type=_integer(1, DECODE_CAP),
-        required=True,
-        help=f"at most this many sizes, 1..{DECODE_CAP} (required)",
+        type=Integer(1, DECODE_CAP, "FastDeploy's largest decode list"),
+        default=None,
+        help=f"at most this many sizes, 1..{DECODE_CAP} (default: as many as the list compared "
+        "with, the deployed one or FastDeploy's default, so the tuned list takes about the same "
+        "capture time and graph memory and pads fewer tokens)",
+    )
+    tune.add_argument(
+        "--max-num-seqs",
+        type=_NUM_SEQS,
+        default=None,
+        help="the deployment's max_num_seqs: sizes stay within min(512, max_num_seqs) (default: "
+        "what the stats files record, else the largest observed count)",
+    )
+    tune.add_argument(
+        "--capture-sizes",
+        type=_PLAN_SIZES,
+        default=None,
+        help="the deployed cudagraph_capture_sizes, the list to beat (default: what the stats "
+        "files record, else FastDeploy's automatic list)",
     )
     tune.add_argument(
         "--num-speculative-tokens",
@@ -410,7 +347,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     )
     tune.add_argument(
         "--max-size",
-        type=_integer(1, DECODE_CAP),
+        type=Integer(1, DECODE_CAP, "FastDeploy's largest decode graph"),
         default=None,
         help="largest capture size (default: largest observed count); steps above it run "
         "eagerly and are left out",
@@ -421,14 +358,14 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_release(parser: argparse.ArgumentParser) -> None:
+    trees = "; ".join(f"{name}: {rules.branch} at {rules.commit}" for name, rules in RULES.items())
     parser.add_argument(
         "--fastdeploy-version",
-        choices=RELEASES,
+        type=_version,
         default=None,
-        help="apply the rules of this FastDeploy tree, read from the branch named: "
-        + ", ".join(f"{name} ({rules.branch} at {rules.commit})" for name, rules in RULES.items())
-        + " (default: the installed FastDeploy's, else develop); the installed FastDeploy "
-        "computes them when it is that tree",
+        help=f"{VERSION_FORMS} (default: the installed FastDeploy's, else develop). Each is "
+        f"answered by the rules of one source tree of gongshaotian/FastDeploy, named in the "
+        f"output ({trees}); the trees {' and '.join(TREE_NAMES)} are taken by name too",
     )
 
 
@@ -440,24 +377,24 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "random decode steps through the plugin's backend and compare every one with eager. The "
         "demo always runs the plugin's backend (FD_CUDAGRAPH_BACKEND=native is refused), and "
         "writes no file unless asked (FD_CUDAGRAPH_MEMORY_REPORT, FD_CUDAGRAPH_STATS_FILE, "
-        "FD_CUDAGRAPH_DUMP_DOT).",
+        "FD_CUDAGRAPH_DUMP_DOT). Progress and the step rate go to standard error.",
     )
     demo.add_argument(
         "--sizes",
-        type=_sizes(DEMO_MAX_SIZE, DEMO_SIZE_BOUND),
+        type=Sizes(DEMO_MAX_SIZE, DEMO_SIZE_BOUND),
         default=None,
         help=f"capture sizes, each in 1..{DEMO_MAX_SIZE}, e.g. 1,2,4,8 (default "
         f"{','.join(map(str, DEFAULT_SIZES))})",
     )
     demo.add_argument(
         "--steps",
-        type=_count(DEMO_MAX_STEPS, "the demo's limit"),
+        type=Integer(1, DEMO_MAX_STEPS, "the demo's limit"),
         default=200,
         help=f"decode steps to serve, 1..{DEMO_MAX_STEPS} (default 200)",
     )
     demo.add_argument(
         "--seed",
-        type=_seed,
+        type=Integer(0, DEMO_MAX_SEED),
         default=0,
         help=f"seed of the step sizes and token ids, 0..{DEMO_MAX_SEED} (default 0)",
     )
@@ -473,8 +410,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, except that --help and --version fail when standard output cannot be
-    written: argparse swallows the OSError of that write (``_print_message``) and exits 0."""
+    """argparse's parser with three changes: a value that begins with a minus and a digit
+    (``--capture-sizes -1,2``) is a value to check, not an option; a usage error is one line; and
+    --help and --version fail when standard output cannot be written (argparse swallows the
+    OSError of that write and exits 0)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes only plain negative numbers for values; no option here starts "-<digit>".
+        self._negative_number_matcher = re.compile(r"-[0-9]")
 
     def _print_message(self, message: str, file: object = None) -> None:
         if message and file is not None and file is sys.stdout:
@@ -483,7 +427,6 @@ class _Parser(argparse.ArgumentParser):
         super()._print_message(message, file)
 
     def error(self, message: str) -> NoReturn:
-        """One line, as every other bad input is said, and where to read the usage."""
         self.exit(2, f"{self.prog}: {message}. See {self.prog} --help.\n")
 
 
@@ -500,42 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="check that FastDeploy will load and use the plugin here, with fixes",
         description="Check, in the environment FastDeploy runs in, that FastDeploy will load the "
-        "plugin and use its backend: one OK, WARN or FAIL line per check, with the fix. Exit 1 "
-        "when a check fails.",
+        "plugin and use its backend: one OK, WARN, FAIL or SKIP line per check, with the fix. "
+        "Exit 1 when a check fails.",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON")
     doctor.set_defaults(run=_cmd_doctor)
     return parser
 
 
-#: A value that begins with a minus and a digit (``-1,2``): argparse takes it for an option
-#: (it is no plain negative number) and says "expected one argument" instead of checking it.
-_NEGATIVE_VALUE = re.compile(r"-\d")
-
-
-def _attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``--capture-sizes -1,2`` -> ``--capture-sizes=-1,2``, so the value gets its own error."""
-    takes_value = set()
-    parsers = [parser]
-    while parsers:
-        current = parsers.pop()
-        for action in current._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                parsers.extend(action.choices.values())
-            elif action.option_strings and action.nargs != 0:
-                takes_value.update(action.option_strings)
-    joined: list[str] = []
-    index = 0
-    while index < len(argv):
-        word = argv[index]
-        following = argv[index + 1] if index + 1 < len(argv) else ""
-        if word in takes_value and _NEGATIVE_VALUE.match(following):
-            joined.append(f"{word}={following}")
-            index += 2
-        else:
-            joined.append(word)
-            index += 1
-    return joined
+# ------------------------------------------------------------------ running one command
 
 
 def _drop_stdout() -> None:
@@ -569,8 +485,8 @@ class _Tolerant(io.TextIOBase):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; exit 2 on bad input (a closed stdout included), 130 on Ctrl-C, 1 when
-    stdout cannot be written."""
+    """Run one command; exit 2 on bad input (a closed stdout included), 130 on Ctrl-C, 143 on
+    SIGTERM, 1 when stdout cannot be written."""
     # With stderr closed Python sets it to None, and print(file=None) writes to stdout: an
     # error line would land in the output a script reads.
     if not isinstance(sys.stderr, _Tolerant):
@@ -590,12 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return code
     try:
-        with _INTERRUPTS.watching():
+        with paddle_import.watching():
             parser = build_parser()
             try:
-                args = parser.parse_args(
-                    _attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv))
-                )
+                args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
             except SystemExit as exit_info:
                 if exit_info.code in (0, None):
                     # --help and --version print, then exit 0; their output must be written too,
@@ -605,17 +519,20 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 code = args.run(args)
             except CudaGraphPluginError as error:
-                _INTERRUPTS.check()
+                paddle_import.check()
                 print(f"fd-cudagraph: {error}", file=sys.stderr)
                 return 2
             # A full disk or a closed pipe shows up at the flush; make it happen here, inside
             # the handlers, not at interpreter exit.
             sys.stdout.flush()
             return code
+    except paddle_import.PaddleInterrupted:
+        print("fd-cudagraph: interrupted while Paddle was loading", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("fd-cudagraph: interrupted", file=sys.stderr)
         return 130
-    except _Terminated:
+    except paddle_import.Terminated:
         return 128 + signal.SIGTERM
     except BrokenPipeError:
         _drop_stdout()

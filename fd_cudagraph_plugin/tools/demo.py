@@ -9,8 +9,10 @@ step's output is checked against an eager run of the same inputs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -23,6 +25,7 @@ from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.options import PluginOptions, unknown_options
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.core.stats import format_table
+from fd_cudagraph_plugin.tools import paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP
 from fd_cudagraph_plugin.tools.wording import plural, shown
 
@@ -311,7 +314,9 @@ def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: s
             for size in sizes:
                 route(prepare(size))
         report.capture_summary = session.report.summary()
+        progress = _progress(steps)
         for _ in range(steps):
+            progress.update()
             tokens = rng.choice(
                 [rng.randint(1, max_size)] * 9 + [rng.randint(max_size + 1, 2 * max_size)]
             )
@@ -327,6 +332,7 @@ def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: s
             report.steps += 1
             if not bool(paddle.allclose(out, expected, rtol=1e-5, atol=1e-5)):
                 report.mismatches += 1
+        progress.close()
     report.stats = backend.stats()
     backend.clear_graph()
     return report
@@ -374,3 +380,45 @@ def format_report(report: DemoReport) -> str:
         f"{plural(report.steps, 'step')} -- {verdict}"
     )
     return "\n".join(lines)
+
+
+#: Seconds between two progress updates when standard error is no terminal (a log file).
+PROGRESS_SECONDS = 5.0
+
+
+def _progress(steps: int) -> Any:
+    """Served steps and their rate on standard error, as the capture's bar: a bar on a terminal,
+    a line every few seconds elsewhere."""
+    from tqdm import tqdm
+
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return tqdm(
+        total=steps,
+        desc="demo: served",
+        unit="step",
+        file=sys.stderr,
+        mininterval=0.5 if tty else PROGRESS_SECONDS,
+        dynamic_ncols=tty,
+        ascii=not tty,
+    )
+
+
+def run_command(sizes: list[int] | None, steps: int, seed: int, runtime: str | None) -> int:
+    """``fd-cudagraph demo``: Paddle imported once and quietly (``paddle_import``), then
+    ``run_demo``; 0, or 1 on a mismatch."""
+    try:
+        paddle_import.load("paddle")
+    except ImportError:
+        print(
+            "fd-cudagraph demo needs Paddle. Install the CPU wheel with pip install "
+            "paddlepaddle==3.3.1 (what a checkout's demo extra installs: pip install "
+            "'/path/to/fd-cudagraph-plugin[demo]'); on a GPU machine keep your paddlepaddle-gpu.",
+            file=sys.stderr,
+        )
+        return 2
+    # The demo prints the capture summary and the stats table itself; keep warnings only.
+    logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
+    report = run_demo(sizes=sizes, steps=steps, seed=seed, runtime_name=runtime)
+    paddle_import.check()
+    print(format_report(report))
+    return 0 if report.mismatches == 0 else 1

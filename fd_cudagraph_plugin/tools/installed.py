@@ -12,28 +12,24 @@ version string decides only between 2.6 and a develop tree that builds its lists
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import logging
 import re
-import sys
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.tools import paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import (
     DEFAULT_RELEASE,
-    RELEASES,
     RULES,
     Derived,
     Release,
     ServingSettings,
+    UnknownVersion,
+    rules_for_version,
 )
-from fd_cudagraph_plugin.tools.wording import shown
 
 
 @dataclass(frozen=True)
@@ -50,21 +46,6 @@ class FastDeployRefused(Exception):
     """FastDeploy's config asserted against these settings; the message is FastDeploy's."""
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """FastDeploy's configs log their adjustments and Paddle's import warns about ccache; none of
-    it is the tools' output, and what they print goes to standard error, so that standard output
-    (``--json``) holds only the tool's own."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
-
-
 def installed_fastdeploy() -> InstalledFastDeploy | None:
     """The FastDeploy this Python imports, or None when there is none."""
     try:
@@ -73,8 +54,8 @@ def installed_fastdeploy() -> InstalledFastDeploy | None:
     except (ImportError, ValueError):
         return None
     try:
-        with quiet():
-            package = importlib.import_module("fastdeploy")
+        package = paddle_import.load("fastdeploy")
+        with paddle_import.quiet():
             config = importlib.import_module("fastdeploy.config")
             graph = config.GraphOptimizationConfig({})
     except Exception as error:  # whatever FastDeploy's imports raise on this machine
@@ -111,11 +92,10 @@ def release_rules(name: str | None, installed: InstalledFastDeploy | None = None
     if name is None:
         found = installed if installed is not None else installed_fastdeploy()
         name = found.release if found is not None and found.release else DEFAULT_RELEASE
-    if name not in RULES:
-        raise ConfigError(
-            f"--fastdeploy-version must be one of {', '.join(RELEASES)}; got {shown(name)}."
-        )
-    return RULES[name]
+    try:
+        return RULES[rules_for_version(name)]
+    except UnknownVersion as error:
+        raise ConfigError(f"--fastdeploy-version {error}.") from None
 
 
 class _ModelStandIn:
@@ -142,7 +122,7 @@ def derive_with_fastdeploy(
     """
     config = installed.config
     graph: dict[str, Any] = {
-        "use_cudagraph": True,
+        "use_cudagraph": s.use_cudagraph,
         "graph_opt_level": s.graph_opt_level,
         "full_cuda_graph": s.full_cuda_graph,
         "cudagraph_only_prefill": s.only_prefill,
@@ -154,15 +134,20 @@ def derive_with_fastdeploy(
         graph["cudagraph_capture_sizes_prefill"] = list(s.capture_sizes_prefill)
     if s.draft_model_use_cudagraph is not None:
         graph["draft_model_use_cudagraph"] = s.draft_model_use_cudagraph
-    with quiet():
+    with paddle_import.quiet():
         speculative: dict[str, Any] = {}
         if s.method is not None:
             accepted = getattr(config.SpeculativeConfig({}), "method_list", ())
             # 2.4 and 2.5 spell ngram ngram_match.
             name = "ngram_match" if s.method == "ngram" and "ngram_match" in accepted else s.method
             speculative = {"method": name, "num_speculative_tokens": s.k}
+        # FastDeploy's ParallelConfig derives use_sequence_parallel_moe from expert parallelism
+        # (2.4_r3 .. r3_mm_dev: not disabled, expert_parallel_size > 1 and tp > 1); the stand-in
+        # takes it as given.
         parallel = {
             "tensor_parallel_size": s.tensor_parallel_size,
+            "enable_expert_parallel": s.expert_parallel or s.sequence_parallel_moe,
+            "disable_sequence_parallel_moe": not s.sequence_parallel_moe,
             "use_sequence_parallel_moe": s.sequence_parallel_moe,
         }
         scheduler = {"max_num_seqs": s.max_num_seqs, "splitwise_role": s.splitwise_role}

@@ -52,6 +52,8 @@ from fd_cudagraph_plugin.tools.wording import plural, shown
 
 #: FastDeploy's default ``max_capture_shape_prefill``.
 DEFAULT_PREFILL_SHAPE = 512
+#: The ``format`` of ``plan --json``; a change that drops or renames a key bumps it.
+PLAN_FORMAT = "fd-cudagraph-plan/1"
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,17 @@ class PlanInput:
     splitwise_role: str = "mixed"
     #: None: the release's default (true on develop, r3_mm_dev; false on the others).
     draft_model_use_cudagraph: bool | None = None
-    #: None: the installed FastDeploy's release, else develop.
+    #: None: the installed FastDeploy's release, else develop; else a fastdeploy-gpu version
+    #: (``2.6.1``), ``develop`` or a tree name (``capture_rules.rules_for_version``).
     fastdeploy_version: str | None = None
+    #: ``use_cudagraph`` of ``--graph-optimization-config`` (FastDeploy's default: true).
+    use_cudagraph: bool = True
+    #: ``num_model_steps`` of ``--speculative-config``: MTP raises k to it (None: 1).
+    num_model_steps: int | None = None
+    #: What the command line's FastDeploy flags said that the plan does not show.
+    given_notes: tuple[str, ...] = ()
+    #: FastDeploy's ``use_ep`` (``--enable-expert-parallel`` over more than one rank).
+    expert_parallel: bool = False
 
     @property
     def prefill_shape(self) -> int:
@@ -139,7 +150,9 @@ class Plan:
             return {str(key): value for key, value in mapping.items()}
 
         return {
+            "format": PLAN_FORMAT,
             "fastdeploy_version": self.release,
+            "fastdeploy_version_asked": self.inputs.fastdeploy_version,
             "rules_branch": capture_rules.RULES[self.release].branch,
             "rules_commit": capture_rules.RULES[self.release].commit,
             "rules": "fastdeploy" if self.from_fastdeploy else "copy",
@@ -155,6 +168,7 @@ class Plan:
                 "max_capture_shape_prefill": self.inputs.prefill_shape,
                 "splitwise_role": self.inputs.splitwise_role,
                 "draft_model_use_cudagraph": self.draft_model_use_cudagraph,
+                "use_cudagraph_given": self.inputs.use_cudagraph,
             },
             "use_cudagraph": self.use_cudagraph,
             "mode": self.mode,
@@ -235,14 +249,21 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
                 "tokens out."
             )
         return 0
+    steps = inputs.num_model_steps
+    if steps is not None and method != "mtp":
+        raise ConfigError(
+            f"--speculative-config num_model_steps {steps} is read by MTP only; with method "
+            f"{method} FastDeploy ignores it. Leave it out."
+        )
     if k is None:
-        return 1
-    if bad_k(k):
+        k = 1
+    elif bad_k(k):
         raise ConfigError(
             f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} for "
             f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {shown(k)}."
         )
-    return k
+    # SpeculativeConfig raises k to num_model_steps for MTP.
+    return max(k, steps or 1)
 
 
 def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
@@ -299,6 +320,8 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         max_capture_shape_prefill=prefill_cap,
         splitwise_role=inputs.splitwise_role,
         draft_model_use_cudagraph=inputs.draft_model_use_cudagraph,
+        use_cudagraph=inputs.use_cudagraph,
+        expert_parallel=inputs.expert_parallel,
     )
 
 
@@ -345,11 +368,25 @@ class _Source:
     notes: list[str]
 
 
+def _rules_name(release: Release, version: str | None) -> str:
+    """``FastDeploy 2.6 rules``, with the version asked for where it is not the rules' name."""
+    name = f"FastDeploy {release.name} rules"
+    asked = (version or "").strip()
+    if asked and asked.lower() != release.name:
+        name += f" (for fastdeploy-gpu {asked})"
+    return name
+
+
 def _source(
-    release: Release, s: ServingSettings, installed: InstalledFastDeploy | None, asked: bool
+    release: Release,
+    s: ServingSettings,
+    installed: InstalledFastDeploy | None,
+    asked: bool,
+    version: str | None,
 ) -> _Source:
     """FastDeploy's own derivation where it is importable and is ``release``, else the copy."""
     copy = capture_rules.derive(release, s)
+    name = _rules_name(release, version)
     if installed is None:
         why = "FastDeploy is not importable here" if asked else "asked for the copy"
     elif installed.problem:
@@ -370,16 +407,17 @@ def _source(
             )
         else:
             if theirs.use_cudagraph or not copy.use_cudagraph:
-                return _from_fastdeploy(release, installed, copy, theirs, draft_default)
+                return _from_fastdeploy(name, release, installed, copy, theirs, draft_default)
             why = (
                 "the installed FastDeploy turns use_cudagraph off on this machine's platform; "
                 "the plan is a CUDA machine's"
             )
-    rules = f"FastDeploy {release.name} rules, from the project's copy ({why})"
+    rules = f"{name}, from the project's copy ({why})"
     return _Source(copy, rules, False, release.draft_model_use_cudagraph, [])
 
 
 def _from_fastdeploy(
+    name: str,
     release: Release,
     installed: InstalledFastDeploy,
     copy: Derived,
@@ -395,8 +433,7 @@ def _from_fastdeploy(
             f"FastDeploy in {', '.join(drift)}; the plan shows FastDeploy's. Please report it."
         )
     rules = (
-        f"FastDeploy {release.name} rules, computed by the installed FastDeploy's own FDConfig "
-        f"(version {installed.version})"
+        f"{name}, computed by the installed FastDeploy's own FDConfig (version {installed.version})"
     )
     # FastDeploy keeps no trace of filter_capture_size: whether it ran is the rules' answer.
     derived = dataclasses.replace(theirs, filtered=copy.filtered)
@@ -413,9 +450,16 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     release = release_rules(inputs.fastdeploy_version, installed)
     s = _validate(release, inputs)
     mode = _mode(release, inputs)
-    source = _source(release, s, installed, use_fastdeploy)
+    source = _source(release, s, installed, use_fastdeploy, inputs.fastdeploy_version)
     derived, notes = source.derived, source.notes
-    decode, prefill = derived.capture_sizes, derived.capture_sizes_prefill
+    prefill = derived.capture_sizes_prefill
+    # A 0 in the list (2.4 under expert parallelism) is no graph: the plugin drops it.
+    decode = [size for size in derived.capture_sizes if size]
+    if len(decode) < len(derived.capture_sizes):
+        notes.append(
+            f"FastDeploy {release.name} puts 0 first in cudagraph_capture_sizes under expert "
+            "parallelism (use_ep); the plugin drops it (a 0-token step runs eagerly)."
+        )
     cap, scale, formula = _decode_cap(release, s)
     if s.capture_sizes is not None:
         dropped = sorted({size * scale for size in s.capture_sizes if size * scale > cap})
@@ -424,6 +468,18 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
                 f"cudagraph_capture_sizes: FastDeploy drops {_listing(dropped)}, above the "
                 f"decode cap {formula} = {cap}."
             )
+    notes.extend(inputs.given_notes)
+    steps = inputs.num_model_steps
+    if steps and s.k == steps != (inputs.num_speculative_tokens or 1):
+        notes.append(
+            f"num_model_steps {inputs.num_model_steps} raises num_speculative_tokens to "
+            f"{s.k} (SpeculativeConfig, for MTP)."
+        )
+    if not inputs.use_cudagraph and s.splitwise_role != "prefill":
+        notes.append(
+            "use_cudagraph is false: FastDeploy captures no graph and never calls the backend; "
+            "the lists above are what it would derive."
+        )
     _size_notes(notes, release, inputs, mode, s, prefill)
     _list_notes(notes, release, s, derived)
     if not decode:
@@ -481,7 +537,7 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
         mode=mode,
         num_speculative_tokens=s.k,
         draft_model_use_cudagraph=draft,
-        capture_sizes=decode,
+        capture_sizes=derived.capture_sizes,
         capture_sizes_prefill=prefill,
         real_shape_to_captured_size=derived.real_shape_to_captured_size,
         real_shape_to_captured_size_prefill=derived.real_shape_to_captured_size_prefill,
@@ -807,3 +863,54 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"total graphs: {plan.total_graphs}")
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)
+
+
+#: ``plan``'s own flags, by ``PlanInput`` field (argparse's dest is the field but for these).
+_OWN_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "splitwise_role": "--splitwise-role",
+    "spec_method": "--spec-method",
+    "num_speculative_tokens": "--num-speculative-tokens",
+    "graph_opt_level": "--graph-opt-level",
+    "full_cuda_graph": "--full-cuda-graph",
+    "max_capture_shape_prefill": "--max-capture-shape-prefill",
+    "only_prefill": "--only-prefill",
+    "capture_sizes": "--capture-sizes",
+    "capture_sizes_prefill": "--capture-sizes-prefill",
+    "draft_model_use_cudagraph": "--draft-model-use-cudagraph",
+    "sequence_parallel_moe": "--sequence-parallel-moe",
+}
+
+
+def plan_input(options: dict) -> PlanInput:
+    """The command line's settings as one ``PlanInput``: ``plan``'s own flags, FastDeploy's flags
+    and the JSON of its ``--graph-optimization-config`` and ``--speculative-config``, each setting
+    given once or the same wherever given (else a ``ConfigError`` naming both)."""
+    from fd_cudagraph_plugin.tools import engine_args
+
+    given = engine_args.Given()
+    for name, flag in _OWN_FLAGS.items():
+        value = options.get(name)
+        if name == "full_cuda_graph" and value is False:
+            flag = "--no-full-cuda-graph"
+        if name == "draft_model_use_cudagraph" and value is False:
+            flag = "--no-draft-model-use-cudagraph"
+        given.set(name, value, flag)
+    if options.get("disable_sequence_parallel_moe"):
+        given.set("sequence_parallel_moe", False, "--disable-sequence-parallel-moe")
+    elif options.get("enable_expert_parallel") and given.values.get("tensor_parallel_size", 1) > 1:
+        # ParallelConfig: sequence-parallel MoE is on under expert parallelism with tp > 1.
+        given.set("sequence_parallel_moe", True, "--enable-expert-parallel")
+    ranks = given.values.get("tensor_parallel_size", 1) * (options.get("data_parallel_size") or 1)
+    expert_parallel = bool(options.get("enable_expert_parallel")) and ranks > 1
+    if options.get("graph_optimization_config") is not None:
+        engine_args.add_graph_config(given, options["graph_optimization_config"])
+    if options.get("speculative_config") is not None:
+        engine_args.add_speculative_config(given, options["speculative_config"])
+    return PlanInput(
+        **given.values,
+        fastdeploy_version=options.get("fastdeploy_version"),
+        given_notes=tuple(given.notes),
+        expert_parallel=expert_parallel,
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -67,6 +68,13 @@ class Histogram(Counter):
         self.beyond = 0
         #: ``"plain"``, ``"decode"`` (stats by tokens) or ``"running"`` lines seen, for mixing.
         self.kinds: set[str] = set()
+        #: What the stats lines record of the deployment, and where each was first read
+        #: (``file:line``): its decode list as FastDeploy derived it (tokens, descending) and its
+        #: ``max_num_seqs``. None where no line records it.
+        self.capture_sizes: tuple[int, ...] | None = None
+        self.capture_sizes_from = ""
+        self.max_num_seqs: int | None = None
+        self.max_num_seqs_from = ""
 
     def add(self, count: int, steps: int) -> None:
         if count > GRAPHED_LIMIT:
@@ -78,12 +86,25 @@ class Histogram(Counter):
 def read_histogram(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -> Histogram:
     """Sum the step counts of every trace or stats file (``-`` is standard input)."""
     histogram = Histogram()
+    seen: dict[tuple[int, int], str] = {}
     for path in paths:
         if str(path) == "-":
+            if "-" in seen.values():
+                raise TraceError("standard input (-) can be given once among the trace files.")
+            seen[(-1, -1)] = "-"
             _read_stdin(stdin, histogram)
             continue
         try:
             with open(path, "rb") as handle:
+                # The same file twice (by another name, a link) would count its steps twice.
+                status = os.fstat(handle.fileno())
+                identity = (status.st_dev, status.st_ino)
+                if identity in seen:
+                    raise TraceError(
+                        f"{path} is the same file as {seen[identity]}; give each trace once (its "
+                        "steps would be counted twice)."
+                    )
+                seen[identity] = str(path)
                 _read(handle, str(path), histogram)
         except OSError as error:
             raise TraceError(f"cannot read trace file {path}: {error.strerror or error}.") from None
@@ -262,9 +283,46 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
                 f"{shown(steps)}."
             )
         parsed.append((_parse_count(count, where), steps))
+    _add_deployment(record, where, histogram)
     histogram.kinds.add("running" if running else "decode")
     for count, steps in parsed:
         histogram.add(count, steps)
     method = record.get("speculative_method")
     if method:
         histogram.speculative_methods.add(str(method)[:40])
+
+
+def _add_deployment(record: dict, where: str, histogram: Histogram) -> None:
+    """``capture_sizes`` and ``max_num_seqs`` of a stats line, where it records them: checked,
+    and the same on every line (else the files are of several deployments)."""
+    if "capture_sizes" in record:
+        sizes = record["capture_sizes"]
+        if (
+            not isinstance(sizes, list)
+            or not 0 < len(sizes) <= 4 * DECODE_CAP
+            or any(isinstance(n, bool) or not isinstance(n, int) for n in sizes)
+            or any(not 0 < n <= TOKEN_LIMIT for n in sizes)
+        ):
+            raise TraceError(
+                f'{where}: "capture_sizes" must be a list of decode sizes in 1..{TOKEN_LIMIT}; got '
+                f"{shown(sizes)}."
+            )
+        sizes = tuple(sorted(set(sizes), reverse=True))
+        if histogram.capture_sizes not in (None, sizes):
+            raise TraceError(
+                f'{where}: "capture_sizes" differs from {histogram.capture_sizes_from}\'s; '
+                "tune the stats of one deployment at a time."
+            )
+        if histogram.capture_sizes is None:
+            histogram.capture_sizes, histogram.capture_sizes_from = sizes, where
+    if "max_num_seqs" in record:
+        seqs = record["max_num_seqs"]
+        if isinstance(seqs, bool) or not isinstance(seqs, int) or not 0 < seqs <= TOKEN_LIMIT:
+            raise TraceError(f'{where}: "max_num_seqs" must be an integer >= 1; got {shown(seqs)}.')
+        if histogram.max_num_seqs not in (None, seqs):
+            raise TraceError(
+                f'{where}: "max_num_seqs" is {seqs}, {histogram.max_num_seqs_from} says '
+                f"{histogram.max_num_seqs}; tune the stats of one deployment at a time."
+            )
+        if histogram.max_num_seqs is None:
+            histogram.max_num_seqs, histogram.max_num_seqs_from = seqs, where

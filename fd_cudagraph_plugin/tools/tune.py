@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table
@@ -58,7 +59,7 @@ from fd_cudagraph_plugin.tools.plan import (
     graphs_phrase,
     release_rules,
 )
-from fd_cudagraph_plugin.tools.traces import TraceError
+from fd_cudagraph_plugin.tools.traces import Histogram, TraceError, read_histogram
 from fd_cudagraph_plugin.tools.wording import plural, shown
 
 
@@ -144,6 +145,7 @@ class TuneResult:
     #: under speculative decoding (FastDeploy multiplies them by k + 1).
     capture_sizes: list[int]
     padded_tokens: int
+    #: The list the tuned one is compared with: the deployed one, else FastDeploy's default.
     baseline_capture_sizes: list[int]
     baseline_padded_tokens: int
     #: Steps not served by any list here: above ``max_size``, or with 0 tokens (eager either way).
@@ -155,6 +157,18 @@ class TuneResult:
     observed: tuple[int, int] = (1, 1)
     #: The FastDeploy release whose rules applied; 2.5 takes speculative sizes in tokens.
     fastdeploy_version: str = "develop"
+    #: What the baseline is: ``from --capture-sizes`` (or ``from stats.jsonl:1``: the deployed
+    #: list), or ``FastDeploy develop's list for max_num_seqs=40``.
+    baseline_label: str = ""
+    #: Steps the tuned list graphs that are above the baseline's largest size (eager there).
+    baseline_eager_steps: int = 0
+    #: ``max_num_seqs`` of the deployment and where it came from ("" where unknown).
+    max_num_seqs: int | None = None
+    max_num_seqs_from: str = ""
+    #: ``(size, steps)``: the steps of the trace that pad to each tuned size, ascending.
+    traffic: list[tuple[int, int]] = field(default_factory=list)
+    max_graphs: int = 0
+    max_graphs_from: str = ""
 
     @property
     def graph_optimization_config(self) -> dict[str, list[int]]:
@@ -171,17 +185,20 @@ class TuneResult:
 
     @property
     def reduction(self) -> float:
-        """Fraction of the default list's padded tokens that the tuned list saves."""
+        """Fraction of the baseline's padded tokens that the tuned list saves."""
         if self.baseline_padded_tokens == 0:
             return 0.0
         return 1 - self.padded_tokens / self.baseline_padded_tokens
 
     def to_json(self) -> dict:
         return {
+            "format": TUNE_FORMAT,
             "capture_sizes": self.capture_sizes,
             "padded_tokens": self.padded_tokens,
+            "baseline": self.baseline_label,
             "baseline_capture_sizes": self.baseline_capture_sizes,
             "baseline_padded_tokens": self.baseline_padded_tokens,
+            "baseline_eager_steps": self.baseline_eager_steps,
             "graph_optimization_config": self.graph_optimization_config,
             "num_speculative_tokens": self.num_speculative_tokens,
             "captured_token_sizes": self.captured_token_sizes,
@@ -189,11 +206,19 @@ class TuneResult:
             "observed_min": self.observed[0],
             "observed_max": self.observed[1],
             "max_size": self.max_size,
+            "max_graphs": self.max_graphs,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_seqs_from": self.max_num_seqs_from or None,
             "fastdeploy_version": self.fastdeploy_version,
             "eager_above_max": self.eager_above_max,
             "eager_zero_tokens": self.eager_zero_tokens,
+            "traffic": [{"size": size, "steps": steps} for size, steps in self.traffic],
             "notes": self.notes,
         }
+
+
+#: The ``format`` of ``tune --json``; a change that drops or renames a key bumps it.
+TUNE_FORMAT = "fd-cudagraph-tune/1"
 
 
 def _speculative_tokens(
@@ -233,27 +258,57 @@ def _requested_k(requested: int, recorded: int | None, kinds: set[str]) -> int:
     return requested
 
 
+@dataclass(frozen=True)
+class Deployment:
+    """What is known of the deployment the trace came from, each with where it came from
+    (``--max-num-seqs``, ``stats.jsonl:1``); sizes as FastDeploy's config takes them."""
+
+    max_num_seqs: int | None = None
+    max_num_seqs_from: str = ""
+    #: The deployed ``cudagraph_capture_sizes``: as ``--graph-optimization-config`` takes them
+    #: (``tokens`` False: running requests under speculative decoding on 2.6 and later), or as
+    #: FastDeploy derived them, in tokens (what stats files record).
+    capture_sizes: tuple[int, ...] | None = None
+    capture_sizes_from: str = ""
+    capture_sizes_in_tokens: bool = False
+
+
 def tune(
     histogram: Mapping[int, int],
-    max_graphs: int,
+    max_graphs: int | None = None,
     max_size: int | None = None,
     num_speculative_tokens: int | None = None,
     *,
     fastdeploy_version: str | None = None,
+    deployment: Deployment | None = None,
 ) -> TuneResult:
     """Choose at most ``max_graphs`` capture sizes for a histogram ``{count: steps}``.
 
     The largest size is ``max_size`` when given, else the largest observed count that
-    FastDeploy could graph (``min(512, max_num_seqs)``, with the release's ``max_num_seqs``
-    limit). Steps above it are ones FastDeploy runs eagerly whatever the list, so they are left
-    out of both totals and reported; so are 0-token steps. ``fastdeploy_version`` picks the
-    release's rules (None: the installed FastDeploy's, else develop).
+    FastDeploy could graph (``min(512, max_num_seqs)``, with the deployment's ``max_num_seqs``
+    where known, else the release's limit). Steps above it are ones FastDeploy runs eagerly
+    whatever the list, so they are left out of both totals and reported; so are 0-token steps.
+    The tuned list is compared with the deployed one where known, else with the release's
+    automatic list; ``max_graphs`` None is as many graphs as that list has.
+    ``fastdeploy_version`` picks the release's rules (None: the installed FastDeploy's, else
+    develop).
     """
-    check_count("--max-graphs", max_graphs, 1, DECODE_CAP)
+    deployment = deployment or Deployment()
+    if max_graphs is not None:
+        check_count("--max-graphs", max_graphs, 1, DECODE_CAP)
     release = release_rules(fastdeploy_version)
     # The decode cap is min(512, max_num_seqs) with FDConfig.check's max_num_seqs limit
     # (config.py), so larger counts run eagerly under any list.
     cap = release.decode_cap
+    seqs = deployment.max_num_seqs
+    if seqs is not None:
+        if seqs > release.max_num_seqs:
+            raise ConfigError(
+                f"max_num_seqs {seqs} ({deployment.max_num_seqs_from}) is above "
+                f"{release.max_num_seqs}, what FastDeploy {release.name} allows (FDConfig.check); "
+                "check --fastdeploy-version."
+            )
+        cap = min(cap, seqs)
     k = _speculative_tokens(histogram, num_speculative_tokens, release)
     noun = "running request" if k else "token"
     if max_size is not None and (
@@ -262,7 +317,11 @@ def tune(
         raise ConfigError(
             f"--max-size must be an integer in 1..{cap} ({noun}s); got {shown(max_size)}. "
             f"FastDeploy captures no decode size above min({DECODE_CAP}, max_num_seqs), and "
-            f"FastDeploy {release.name} allows max_num_seqs up to {release.max_num_seqs}."
+            + (
+                f"max_num_seqs is {seqs} ({deployment.max_num_seqs_from})."
+                if seqs is not None
+                else f"FastDeploy {release.name} allows max_num_seqs up to {release.max_num_seqs}."
+            )
         )
     bad = sorted(n for n, steps in histogram.items() if n < 0 or steps < 0)
     if bad:
@@ -276,10 +335,69 @@ def tune(
     # Without --max-size the largest size is the largest count a step really has: a larger one
     # would be a graph that no observed step pads to.
     top = max(kept) if max_size is None else max_size
+    deployed = _deployed_sizes(deployment, k, release)
+    if deployed:
+        baseline = deployed
+        label = f"from {deployment.capture_sizes_from}"
+    else:
+        # FastDeploy's automatic list for max_num_seqs (else the largest count), in the units
+        # the user passes: with speculative decoding it scales the same candidates by k + 1.
+        base_seqs = seqs if seqs is not None else top
+        baseline = derive_plan(
+            PlanInput(max_num_seqs=base_seqs, fastdeploy_version=release.name)
+        ).capture_sizes
+        label = f"FastDeploy {release.name}'s list for max_num_seqs={base_seqs}"
+    graphs_from = "--max-graphs"
+    if max_graphs is None:
+        kind = "deployed" if deployed else "default"
+        max_graphs, graphs_from = len(baseline), f"as many as the {kind} list"
     sizes = optimal_sizes(kept, max_graphs, top)
-    # FastDeploy's automatic list for max_num_seqs = top, in the units the user passes: with
-    # speculative decoding it scales the same candidates by k + 1.
-    baseline = derive_plan(PlanInput(max_num_seqs=top, fastdeploy_version=release.name))
+    notes = _notes(histogram, k, sizes, top, release)
+    return TuneResult(
+        steps=sum(kept.values()),
+        max_size=top,
+        capture_sizes=sizes,
+        padded_tokens=padded_tokens(sizes, kept) * (k + 1),
+        baseline_capture_sizes=list(baseline),
+        baseline_padded_tokens=padded_tokens(baseline, kept) * (k + 1),
+        eager_above_max=sum(s for n, s in histogram.items() if n > top) + beyond,
+        eager_zero_tokens=histogram.get(0, 0),
+        notes=notes,
+        num_speculative_tokens=k,
+        observed=(min(kept), max(kept)),
+        fastdeploy_version=release.name,
+        baseline_label=label,
+        baseline_eager_steps=sum(s for n, s in kept.items() if n > max(baseline)),
+        max_num_seqs=seqs,
+        max_num_seqs_from=deployment.max_num_seqs_from,
+        traffic=_traffic(sizes, kept),
+        max_graphs=max_graphs,
+        max_graphs_from=graphs_from,
+    )
+
+
+def _deployed_sizes(deployment: Deployment, k: int, release: Release) -> list[int]:
+    """The deployed list in the units the fit uses (running requests under speculative
+    decoding: FastDeploy maps ``int(size / (k + 1))`` requests to each token size)."""
+    sizes = deployment.capture_sizes
+    if not sizes:
+        return []
+    if k and (deployment.capture_sizes_in_tokens or not release.scales_user_sizes):
+        sizes = tuple(int(size / (k + 1)) for size in sizes)
+    return sorted({size for size in sizes if size > 0}, reverse=True)
+
+
+def _traffic(sizes: list[int], kept: Mapping[int, int]) -> list[tuple[int, int]]:
+    """The steps that pad to each size, ascending."""
+    table = padding_table(sizes)
+    steps = dict.fromkeys(sizes, 0)
+    for count, number in kept.items():
+        if 0 < count < len(table):
+            steps[table[count]] += number
+    return sorted(steps.items())
+
+
+def _notes(histogram: Mapping[int, int], k: int, sizes: list[int], top: int, release: Release):
     notes = []
     methods = sorted(getattr(histogram, "speculative_methods", ()))
     if k:
@@ -309,20 +427,7 @@ def tune(
             f"Serve with --max-num-seqs >= {top}: FastDeploy drops capture sizes above "
             f"min({DECODE_CAP}, max_num_seqs)."
         )
-    return TuneResult(
-        steps=sum(kept.values()),
-        max_size=top,
-        capture_sizes=sizes,
-        padded_tokens=padded_tokens(sizes, kept) * (k + 1),
-        baseline_capture_sizes=baseline.capture_sizes,
-        baseline_padded_tokens=padded_tokens(baseline.capture_sizes, kept) * (k + 1),
-        eager_above_max=sum(s for n, s in histogram.items() if n > top) + beyond,
-        eager_zero_tokens=histogram.get(0, 0),
-        notes=notes,
-        num_speculative_tokens=k,
-        observed=(min(kept), max(kept)),
-        fastdeploy_version=release.name,
-    )
+    return notes
 
 
 def _nothing_to_tune(
@@ -360,6 +465,8 @@ def format_result(result: TuneResult) -> str:
     low, high = result.observed
     counts = plural(low, noun) if low == high else f"{low}..{high} {noun}s"
     lines = [f"decode steps: {result.steps} with {counts}"]
+    if result.max_num_seqs is not None:
+        lines.append(f"max_num_seqs: {result.max_num_seqs} (from {result.max_num_seqs_from})")
     if k:
         takes = (
             "as cudagraph_capture_sizes takes them"
@@ -378,23 +485,33 @@ def format_result(result: TuneResult) -> str:
             "with 0 tokens"
         )
     tuned, baseline = result.capture_sizes, result.baseline_capture_sizes
+    name = "deployed" if result.baseline_label.startswith("from ") else "default"
     if result.baseline_padded_tokens:
         change = f"{abs(result.reduction):.1%} {'fewer' if result.reduction >= 0 else 'more'}"
     else:
-        change = "the same" if result.padded_tokens == 0 else "the default list pads none"
+        change = "the same" if result.padded_tokens == 0 else f"the {name} list pads none"
     lines += [
-        f"tuned   ({graphs_phrase(len(tuned))}): {', '.join(map(str, tuned))}",
-        f"default ({graphs_phrase(len(baseline))}, FastDeploy {result.fastdeploy_version}'s list "
-        f"for max_num_seqs={result.max_size}): {', '.join(map(str, baseline))}",
+        f"tuned    ({graphs_phrase(len(tuned))}; at most {result.max_graphs}, "
+        f"{result.max_graphs_from}): "
+        f"{', '.join(map(str, tuned))}",
+        f"{name:8s} ({graphs_phrase(len(baseline))}, {result.baseline_label}): "
+        f"{', '.join(map(str, baseline))}",
         f"padded tokens: tuned {result.padded_tokens} ({per_step(result.padded_tokens)}), "
-        f"default {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
+        f"{name} {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
         f"{change}",
     ]
-    config = f"'{json.dumps(result.graph_optimization_config, separators=(', ', ': '))}'"
-    if result.padded_tokens > result.baseline_padded_tokens:
-        # Fewer graphs than the default can pad more: say so rather than recommend it.
+    if result.baseline_eager_steps:
         lines.append(
-            f"keep the default list: with {graphs_phrase(len(baseline))} it pads fewer tokens; "
+            f"above the {name} list's largest size ({max(baseline)}): "
+            f"{plural(result.baseline_eager_steps, 'step')}, which it runs without a graph and "
+            "the tuned list graphs (their padding is in the tuned figure only)"
+        )
+    lines.extend(_histogram_lines(result, noun))
+    config = f"'{json.dumps(result.graph_optimization_config, separators=(', ', ': '))}'"
+    if result.padded_tokens > result.baseline_padded_tokens and not result.baseline_eager_steps:
+        # Fewer graphs than the baseline can pad more: say so rather than recommend it.
+        lines.append(
+            f"keep the {name} list: with {graphs_phrase(len(baseline))} it pads fewer tokens; "
             f"raise --max-graphs to tune within as many. The tuned list, if graph memory matters "
             f"more: --graph-optimization-config {config}"
         )
@@ -402,3 +519,60 @@ def format_result(result: TuneResult) -> str:
         lines.append(f"use: --graph-optimization-config {config}")
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
+
+
+#: Widest bar of the traffic histogram.
+_BAR = 40
+
+
+def _histogram_lines(result: TuneResult, noun: str) -> list[str]:
+    """The trace's steps against the tuned sizes: how many pad to each, as a bar."""
+    total = result.steps + result.eager_above_max
+    rows = [(f"{size:>6}", steps) for size, steps in result.traffic]
+    if result.eager_above_max:
+        rows.append((f">{result.max_size:<5}", result.eager_above_max))
+    most = max((steps for _, steps in rows), default=0) or 1
+    lines = [f"steps per tuned size (the {noun}s of each step, padded up to it):"]
+    for label, steps in rows:
+        bar = "#" * max(1 if steps else 0, round(_BAR * steps / most))
+        eager = "  (eager)" if label.startswith(">") else ""
+        lines.append(f"  {label} {steps:>10} {steps / total:6.1%} {bar}{eager}")
+    return lines
+
+
+def run_tune(args: Any) -> TuneResult:
+    """``fd-cudagraph tune``: read the traces, take the deployment from the flags and the stats
+    files (a flag and a file that disagree are an error naming both), tune."""
+    histogram = read_histogram(args.trace)
+    return tune(
+        histogram,
+        args.max_graphs,
+        args.max_size,
+        args.num_speculative_tokens,
+        fastdeploy_version=args.fastdeploy_version,
+        deployment=_deployment(args, histogram),
+    )
+
+
+def _deployment(args: Any, histogram: Histogram) -> Deployment:
+    seqs, seqs_from = histogram.max_num_seqs, histogram.max_num_seqs_from
+    if args.max_num_seqs is not None:
+        if seqs is not None and seqs != args.max_num_seqs:
+            raise ConfigError(
+                f"--max-num-seqs {args.max_num_seqs} and {seqs_from} (max_num_seqs {seqs}) "
+                "disagree; leave the flag out, or tune the stats of that deployment."
+            )
+        seqs, seqs_from = args.max_num_seqs, seqs_from or "--max-num-seqs"
+    sizes, sizes_from = histogram.capture_sizes, histogram.capture_sizes_from
+    in_tokens = sizes is not None
+    if args.capture_sizes is not None:
+        given = tuple(sorted(set(args.capture_sizes), reverse=True))
+        if sizes is not None and sizes != given:
+            raise ConfigError(
+                f"--capture-sizes {','.join(map(str, given))} and {sizes_from} (capture_sizes "
+                f"{','.join(map(str, sizes))}) disagree; leave the flag out, or tune the stats "
+                "of that deployment."
+            )
+        if sizes is None:
+            sizes, sizes_from, in_tokens = given, "--capture-sizes", False
+    return Deployment(seqs, seqs_from, sizes, sizes_from, in_tokens)
