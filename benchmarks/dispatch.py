@@ -83,6 +83,9 @@ class NoopRuntime:
     real_graphs = False
     warmed = True  # as after FastDeploy's profile run
 
+    def mark_warm(self) -> None:
+        self.warmed = True
+
     def new_pool(self) -> object:
         return None
 

@@ -52,7 +52,7 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import (  # noqa: 
 from paddle.jit.sot.psdb import in_sot  # noqa: E402
 
 from fd_cudagraph_plugin import plugin  # noqa: E402
-from fd_cudagraph_plugin.core import hooks, process, runtime, stats  # noqa: E402
+from fd_cudagraph_plugin.core import hooks, observability, process, runtime  # noqa: E402
 from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
@@ -102,7 +102,7 @@ def _isolated_environment(monkeypatch):
     plugin.reset_for_tests()
     current_platform.device_name = None
     hooks.uninstall()
-    stats.stop_reporter()
+    observability.stop_reporter()
     process.reset_for_tests()
 
 
@@ -255,7 +255,7 @@ class DecoratedMixing(MixingBackbone):
 def expected_graph_size(settings, tokens: int, running: int = 0) -> int:
     """The size of the graph that should serve a decode step: FastDeploy's running-request map
     under speculative decoding when the step fits it, else padding by token count."""
-    if settings.keyed_by_running and 0 < running < len(settings.bsz_table):
+    if settings.mode.keyed_by_running and 0 < running < len(settings.bsz_table):
         size = settings.bsz_table[running]
         if size and tokens <= size:
             return size

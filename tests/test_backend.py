@@ -340,7 +340,7 @@ def test_a_failed_all_reduce_registration_publishes_no_graph(sim, recording_ar, 
 
 
 def test_clear_graph_releases_graphs_even_when_the_summary_fails(sim, monkeypatch):
-    from fd_cudagraph_plugin.core import stats
+    from fd_cudagraph_plugin.core import observability
 
     backend, _ = build()
     capture_all(backend, Buffers())
@@ -348,7 +348,7 @@ def test_clear_graph_releases_graphs_even_when_the_summary_fails(sim, monkeypatc
     def broken(*args, **kwargs):
         raise ValueError("formatting broke")
 
-    monkeypatch.setattr(stats, "format_table", broken)
+    monkeypatch.setattr(observability, "format_table", broken)
     backend.clear_graph()
     assert sim.live_graphs == 0
 
@@ -377,8 +377,8 @@ def test_a_failed_capture_keeps_nothing_alive_while_the_caller_holds_the_error(s
     )
     buffers = Buffers()
     backend(**buffers.step(8))
-    graphs = [weakref.ref(e.graph) for e in backend.entries.all() if e.graph is not None]
-    outputs = [weakref.ref(e.result) for e in backend.entries.all() if e.result is not None]
+    graphs = [weakref.ref(e.graph) for e in backend.table.all() if e.graph is not None]
+    outputs = [weakref.ref(e.result) for e in backend.table.all() if e.result is not None]
     try:
         backend(**buffers.step(4))
     except CaptureError as error:

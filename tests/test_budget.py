@@ -18,9 +18,9 @@ from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
 
 from fd_cudagraph_plugin.core import budget, process, reserve
-from fd_cudagraph_plugin.core.errors import CaptureError, ConfigError
+from fd_cudagraph_plugin.core.errors import CaptureError, ConfigError, human_bytes
+from fd_cudagraph_plugin.core.messages import RankMemory
 from fd_cudagraph_plugin.core.options import PluginOptions
-from fd_cudagraph_plugin.core.text import human_bytes
 
 MiB = 1 << 20
 GRAPH = 20 * MiB
@@ -78,8 +78,8 @@ def test_the_highest_utilization_that_fits_keeps_the_margin_free(utilization, fr
 
 def test_the_memory_line_names_the_tightest_rank():
     ranks = [
-        budget.RankMemory(0, 100 * MiB, 0, 9 << 30, 80 << 30, 0.9),
-        budget.RankMemory(1, 100 * MiB, 0, 5 << 30, 80 << 30, 0.9),
+        RankMemory(0, 100 * MiB, 0, 9 << 30, 80 << 30, 0.9),
+        RankMemory(1, 100 * MiB, 0, 5 << 30, 80 << 30, 0.9),
     ]
     line = budget.memory_line(ranks, rank=0)
     assert line == (
@@ -143,9 +143,12 @@ def test_auto_reserves_a_probes_estimate_then_the_record_and_every_graph_fits(
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
     with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
         backend, blocks = start(0.98)  # first start: no record, a probe
-    reserve = process.current().reserve.applied
-    assert reserve.nbytes == GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4  # largest + 3 x middle
-    assert "no record yet; estimated from a probe capture of sizes [8, 2, 1]" in reserve.source
+    reserved = backend.stats()["memory"]
+    assert reserved["kv_reserve_bytes"] == GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4
+    assert (
+        "no record yet; estimated from a probe capture of sizes [8, 2, 1]"
+        in (reserved["kv_reserve_source"])
+    )
     assert backend.captures == 4 + 3  # the probe's three, released, and the four served
     backend.check_capture_successful()
     free, total = device.device_memory()
@@ -155,8 +158,9 @@ def test_auto_reserves_a_probes_estimate_then_the_record_and_every_graph_fits(
     taken = backend.capture_report.graph_bytes
     restart(device)
     backend, second = start(0.98)  # second start: the record
-    reserve = process.current().reserve.applied
-    assert reserve.nbytes == taken and "measured at the start of" in reserve.source
+    reserved = backend.stats()["memory"]
+    assert reserved["kv_reserve_bytes"] == taken
+    assert "measured at the start of" in reserved["kv_reserve_source"]
     assert backend.captures == 4  # no probe
     assert second >= blocks  # the record is no larger than the probe's estimate
 
@@ -175,14 +179,14 @@ def test_the_record_holds_what_the_session_took_beside_the_graphs_and_the_next_s
     backend, _ = start(0.80 if first == "off" else 0.98)
     graphs = backend.capture_report.graph_bytes
     if first == "auto":  # the probe's estimate counts what its session took beside its graphs
-        reserve = process.current().reserve.applied
-        assert reserve.nbytes == kept + GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4
-        assert "30.0 MiB beside the graphs" in reserve.source
+        reserved = backend.stats()["memory"]
+        assert reserved["kv_reserve_bytes"] == kept + GRAPH + 3 * (GRAPH + 2 * 8 * 4) + 8 * 8 * 4
+        assert "30.0 MiB beside the graphs" in reserved["kv_reserve_source"]
     assert graphs == 4 * GRAPH + sum(s * 8 * 4 for s in (8, 4, 2, 1))
     restart(device)
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
     backend, _ = start(0.98)
-    assert process.current().reserve.applied.nbytes == graphs + kept
+    assert backend.stats()["memory"]["kv_reserve_bytes"] == graphs + kept
     assert f"{human_bytes(graphs + kept)} taken in all; " in backend.capture_report.summary()
     backend.check_capture_successful()
     assert backend.captures == 4
@@ -192,8 +196,8 @@ def test_a_changed_plan_does_not_reuse_a_stale_figure(device, monkeypatch):
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
     _backend, _ = start(0.95)
     restart(device)
-    start(0.95, sizes=(8, 4, 2))  # another plan: probe again, not the record of four sizes
-    assert "estimated from a probe" in process.current().reserve.applied.source
+    backend, _ = start(0.95, sizes=(8, 4, 2))  # another plan: probe again, not the record
+    assert "estimated from a probe" in backend.stats()["memory"]["kv_reserve_source"]
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"})])
@@ -207,7 +211,7 @@ def test_a_corrupt_record_is_treated_as_missing_and_said(device, monkeypatch, tm
     with open(path, "w") as handle:
         handle.write(content)
     backend, _ = start(0.95)
-    source = process.current().reserve.applied.source
+    source = backend.stats()["memory"]["kv_reserve_source"]
     assert path in source and "estimated from a probe" in source
     backend.check_capture_successful()
     with open(path) as handle:
@@ -218,9 +222,9 @@ def test_an_explicit_size_takes_exactly_that_out_of_the_kv_cache(device, monkeyp
     _backend, blocks = start(0.90)
     restart(device)
     monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "64MiB")
-    _, fewer = start(0.90)
+    backend, fewer = start(0.90)
     assert blocks - fewer == 64  # 1 MiB blocks
-    assert process.current().reserve.applied.source == "FD_CUDAGRAPH_KV_RESERVE=64.0 MiB"
+    assert backend.stats()["memory"]["kv_reserve_source"] == "FD_CUDAGRAPH_KV_RESERVE=64.0 MiB"
 
 
 def test_a_short_reserve_is_said_after_capture(device, monkeypatch, caplog):
@@ -244,7 +248,10 @@ def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, cap
     with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
         assert initialize_kv_cache(GpuWorker(config, runner)) == 100
         runner.capture_model()
-    assert process.current().reserve.applied is None
+    assert (
+        model.graph_opt_backend.cudagraph_piecewise_backend.stats()["memory"]["kv_reserve_bytes"]
+        is None
+    )
     assert any("num_gpu_blocks_override" in r.getMessage() for r in caplog.records)
 
 
@@ -337,7 +344,7 @@ def test_a_worker_starts_with_a_bad_record_and_says_why_it_ignored_it(
     path = _record_entry(tmp_path, **entry)
     backend, _ = start(0.95)
     backend.check_capture_successful()
-    source = process.current().reserve.applied.source
+    source = backend.stats()["memory"]["kv_reserve_source"]
     assert f"the record {path} has a bad entry for this plan" in source
     assert "estimated from a probe" in source
 
@@ -352,9 +359,8 @@ def test_a_record_that_is_not_a_regular_file_or_too_long_is_ignored(device, monk
         handle.write(" " * (reserve.MAX_RECORD_BYTES + 1))
     backend, _ = start(0.95)
     backend.check_capture_successful()
-    assert (
-        f"longer than {reserve.MAX_RECORD_BYTES} bytes" in process.current().reserve.applied.source
-    )
+    source = backend.stats()["memory"]["kv_reserve_source"]
+    assert f"longer than {reserve.MAX_RECORD_BYTES} bytes" in source
 
 
 def test_a_recorded_figure_that_ran_out_of_memory_is_dropped_and_the_next_start_fits(
@@ -372,7 +378,7 @@ def test_a_recorded_figure_that_ran_out_of_memory_is_dropped_and_the_next_start_
     assert any("that figure is dropped" in r.getMessage() for r in caplog.records)
     restart(device)
     backend, _ = start(0.98)  # no record of this plan now: a probe, and every graph fits
-    assert "estimated from a probe" in process.current().reserve.applied.source
+    assert "estimated from a probe" in backend.stats()["memory"]["kv_reserve_source"]
     backend.check_capture_successful()
 
 
@@ -410,20 +416,25 @@ def test_a_record_that_cannot_be_keyed_or_written_never_fails_the_capture(
 
 
 @pytest.mark.parametrize(
-    ("kv_reserve", "says"),
+    ("reserve", "says"),
     [
-        ("off", "set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room"),
+        (budget.Reserve(budget.Choice.OFF), "set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache"),
         (
-            "FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB",
-            "which was too little: its recorded figure is dropped",
+            budget.Reserve(budget.Choice.AUTO, 20 * MiB),
+            "FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB, which was too little: its recorded "
+            "figure is dropped",
         ),
-        ("FD_CUDAGRAPH_KV_RESERVE=2.0 GiB reserved 2.0 GiB", "raise FD_CUDAGRAPH_KV_RESERVE"),
+        (
+            budget.Reserve(budget.Choice.SIZE, 2 << 30),
+            "raise FD_CUDAGRAPH_KV_RESERVE (FD_CUDAGRAPH_KV_RESERVE=2.0 GiB reserved 2.0 GiB",
+        ),
     ],
+    ids=["off", "auto", "a size"],
 )
-def test_the_out_of_memory_advice_never_asks_for_the_reserve_already_set(kv_reserve, says):
-    advice = budget.oom_advice(40 * MiB, 2, 4, 12 * MiB, 1024 * MiB, 0.95, kv_reserve)
+def test_the_out_of_memory_advice_never_asks_for_the_reserve_already_set(reserve, says):
+    advice = budget.oom_advice(40 * MiB, 2, 4, 12 * MiB, 1024 * MiB, 0.95, reserve)
     assert says in advice
-    if kv_reserve != "off":
+    if reserve.choice is not budget.Choice.OFF:
         assert "set FD_CUDAGRAPH_KV_RESERVE=auto" not in advice
 
 
@@ -438,5 +449,5 @@ def test_a_record_that_cannot_be_looked_up_is_treated_as_missing(device, monkeyp
     monkeypatch.setattr(device, "device_name", broken)
     backend, _ = start(0.95)
     backend.check_capture_successful()
-    source = process.current().reserve.applied.source
+    source = backend.stats()["memory"]["kv_reserve_source"]
     assert "the record could not be looked up (no device name)" in source

@@ -985,43 +985,40 @@ def test_a_rank_that_reads_none_of_its_replies_is_named_at_once_not_at_the_timeo
 
 
 @pytest.mark.parametrize(
-    ("sizes", "prefill", "most"),
+    ("graph_args", "most"),
     [
-        ([1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)][:36], [], 2 << 10),
-        (list(range(1, 513)), list(range(1, 513)), 10 << 10),  # FastDeploy's limits
+        ({"cudagraph_capture_sizes": [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)][:36]}, 2),
+        (
+            {  # FastDeploy's limits: 512 sizes in both phases (static split)
+                "cudagraph_capture_sizes": list(range(1, 513)),
+                "cudagraph_capture_sizes_prefill": list(range(1, 513)),
+                "graph_opt_level": 1,
+                "full_cuda_graph": False,
+            },
+            10,
+        ),
     ],
     ids=["36 sizes", "512 sizes in both phases"],
 )
-def test_the_largest_real_post_fits_the_cap(sizes, prefill, most):
-    """The plan point of a worker with a target and an MTP draft, FastDeploy's largest
-    real_bsz map and every size unwarmed, as 8 ranks post it."""
-    from fd_cudagraph_plugin import __version__
-    from fd_cudagraph_plugin.core import fingerprint
+def test_the_largest_real_post_fits_the_cap(sim, graph_args, most):
+    """The plan point of a worker with a target and an MTP draft, every size unwarmed, as the
+    session posts it (8 ranks)."""
+    from conftest import PeerLink, TinyBackbone, make_config
 
-    backend = {
-        "capture_sizes": sorted(sizes, reverse=True),
-        "prefill_sizes": sorted(prefill, reverse=True),
-        "mode": "static_split" if prefill else "dynamic",
-        "only_prefill": False,
-        "warmups": 2,
-        "speculative_method": "mtp",
-        "num_speculative_tokens": 1,
-        "bsz_table": list(range(513)),
-    }
-    plan = {
-        "plugin_version": __version__,
-        "phase": "decode",
-        "pool": "instance",
-        "self_check": "off",
-        "custom_allreduce": True,
-        "backends": 2,
-        **fingerprint.backends_plan([backend, backend]),
-    }
-    unwarmed = [messages.Unwarmed(decode=sizes, prefill=prefill)] * 2
-    payload = messages.PlanPayload(plan=plan, unwarmed=unwarmed)
-    status = Status(payload=messages.Of(messages.PlanPayload).dump(payload))
-    body = channel._post((0, 0), "plan", status, 7, 300.0)
-    assert len(body) < most <= channel.MAX_TO_SERVER, len(body)
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    config = make_config(512, speculative=mtp, **graph_args)
+    models = [TinyBackbone(), TinyBackbone()]  # the target and the draft
+    backends = [CudaGraphBackend(config, m.forward, m.forward) for m in models]
+    link = PeerLink(rank=7, world=8)
+    with CaptureSession("decode", link=link):
+        pass
+    label, status = link.posted[0]
+    assert label == "plan" and status["payload"]["plan"]["backends"] == len(backends)
+    body = channel._post((0, 0), "plan", Status.check(status), 7, 300.0)
+    assert len(body) < (most << 10) <= channel.MAX_TO_SERVER, len(body)
     assert json.loads(body)["status"]["failure"] is None
     assert 8 * len(body) < messages.max_message_bytes(8)  # an outcome of 8 ranks of it
 

@@ -14,8 +14,8 @@ import pytest
 from conftest import make_config
 
 from fd_cudagraph_plugin.core.dispatch import Dispatcher
-from fd_cudagraph_plugin.core.entries import Entries
-from fd_cudagraph_plugin.core.key import DECODE, RUNNING
+from fd_cudagraph_plugin.core.graphs import DECODE, RUNNING, GraphTable
+from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.settings import Settings
 
 SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}
@@ -32,18 +32,19 @@ class Graph:
         pass
 
 
-def prepared(config, captured: set[int], disabled: set[int]):
-    settings = Settings.from_fd_config(config, environ={})
-    entries = Entries(settings, static_decode=False, static_prefill=False)
-    dispatcher = Dispatcher(settings, entries)
-    for size, entry in entries.decode.items():
+def prepared(config, captured: set[int], disabled: set[int], guard_every=0, general=None):
+    settings = Settings.from_fd_config(config, PluginOptions.from_env({}))
+    table = GraphTable(settings.mode)
+    dispatcher = Dispatcher(settings.mode, table, guard_every, general)
+    for size, entry in table.decode.items():
         if size in captured:
             entry.graph = Graph()
             entry.replay = entry.graph.replay
             entry.result = f"graph {size}"
-            entry.disabled = size in disabled
+            if size in disabled:
+                table.disable(entry)
             dispatcher.publish(entry)
-    return settings, entries, dispatcher
+    return settings, table, dispatcher
 
 
 def meta(tokens: int, prefill: bool, running: int):
@@ -62,16 +63,16 @@ def test_the_fast_path_serves_exactly_what_route_gives_a_published_graph(specula
     sizes = (16, 8, 4, 2)
     # Every subset of captured sizes would be slow; these cover none, some, all, and disabled.
     for captured, disabled in [((), ()), ((16, 4), ()), (sizes, ()), (sizes, (8,))]:
-        settings, entries, dispatcher = prepared(config, set(captured), set(disabled))
-        steps = [0] * len(settings.key_table)
-        tokens_by_key = [0] * len(settings.key_table)
         deferred = []
 
         def general(kwargs, meta_, tokens, deferred=deferred):
             deferred.append(tokens)
             return "general"
 
-        serve = dispatcher.fast_path(steps, tokens_by_key, guard_every, general)
+        settings, entries, dispatcher = prepared(
+            config, set(captured), set(disabled), guard_every, general
+        )
+        serve = dispatcher.serve
         ticks = 0
         for tokens, prefill, running in itertools.product(
             range(0, 20), (False, True), range(0, 12)
@@ -85,7 +86,7 @@ def test_the_fast_path_serves_exactly_what_route_gives_a_published_graph(specula
                 and entry.captured
                 and not entry.disabled
                 and not prefill
-                and (not settings.keyed_by_running or (step.by == RUNNING and running > 0))
+                and (not settings.mode.keyed_by_running or (step.by == RUNNING and running > 0))
             )
             guard_due = False
             if servable and guard_every:
@@ -104,14 +105,10 @@ def test_the_fast_path_serves_exactly_what_route_gives_a_published_graph(specula
 
 def test_a_stale_running_count_is_padded_by_tokens_on_both_paths():
     config = make_config(8, speculative=SPECULATIVE, cudagraph_capture_sizes=[16, 8, 4, 2])
-    settings, _, dispatcher = prepared(config, {16, 8, 4, 2}, set())
+    served = []
+    _, _, dispatcher = prepared(
+        config, {16, 8, 4, 2}, set(), 0, lambda kwargs, m, t: served.append(t) or "general"
+    )
     step = dispatcher.route(meta(6, False, 1), 6)  # one request, six tokens: real_bsz is stale
     assert step.by != RUNNING and step.key.size == 8 and step.observed == 1
-    served = []
-    serve = dispatcher.fast_path(
-        [0] * len(settings.key_table),
-        [0] * len(settings.key_table),
-        0,
-        lambda kwargs, m, t: served.append(t) or "general",
-    )
-    assert serve({"forward_meta": meta(6, False, 1)}) == "general" and served == [6]
+    assert dispatcher.serve({"forward_meta": meta(6, False, 1)}) == "general" and served == [6]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import Buffers, TinyBackbone, make_config
 
-from fd_cudagraph_plugin.core import metrics, process, stats
+from fd_cudagraph_plugin.core import observability, process
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.options import PluginOptions
 
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def metrics_on(monkeypatch):
     monkeypatch.setenv("FD_CUDAGRAPH_METRICS", "1")
     yield
-    metrics.disable()
+    observability.disable()
 
 
 def served_backend():
@@ -102,29 +102,29 @@ def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(tmp_pa
 def test_without_a_multiprocess_dir_metrics_are_in_the_default_registry(sim, metrics_on):
     gc.collect()  # backends of earlier tests, still alive, would be published with this one
     backend, _ = served_backend()
-    stats.publish_metrics()
+    observability.publish_metrics()
     assert sample("fd_cudagraph_replays_total", backend, size="4") == 3  # capture step + 3, 3
     assert sample("fd_cudagraph_captures_total", backend) == 3
     assert sample("fd_cudagraph_graph_memory_bytes", backend, size="2") == 64
-    metrics.disable()
+    observability.disable()
     assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
 
 
 def test_metrics_are_absent_unless_switched_on(sim):
     served_backend()
-    stats.publish_metrics()
-    assert not metrics.enabled()
+    observability.publish_metrics()
+    assert not observability.enabled()
     assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
 
 
 def test_counters_grow_by_the_delta_and_released_graphs_drop_to_zero(sim, metrics_on):
     backend, buffers = served_backend()
-    metrics.publish([backend], {})
-    metrics.publish([backend], {})  # nothing new: nothing added
+    observability.publish([backend], {})
+    observability.publish([backend], {})  # nothing new: nothing added
     assert sample("fd_cudagraph_replays_total", backend, size="4") == 3
     backend(**buffers.step(4))
     backend.clear_graph()
-    metrics.publish([backend], {})
+    observability.publish([backend], {})
     assert sample("fd_cudagraph_replays_total", backend, size="4") == 4
     assert sample("fd_cudagraph_graph_memory_bytes", backend, size="4") == 0
     assert sample("fd_cudagraph_eager_fallbacks_total", backend, reason="zero_tokens") == 1
@@ -132,19 +132,19 @@ def test_counters_grow_by_the_delta_and_released_graphs_drop_to_zero(sim, metric
 
 def test_replay_path_writes_no_metric(sim, metrics_on):
     backend, buffers = served_backend()
-    stats.publish_metrics()
+    observability.publish_metrics()
     before = sample("fd_cudagraph_replays_total", backend, size="4")
     for _ in range(3):
         backend(**buffers.step(4))
     assert sample("fd_cudagraph_replays_total", backend, size="4") == before
-    stats.publish_metrics()
+    observability.publish_metrics()
     assert sample("fd_cudagraph_replays_total", backend, size="4") == before + 3
 
 
 def test_output_failures_are_exported(sim, metrics_on, failures):
     backend, _ = served_backend()
     process.current().outputs.failed("FD_CUDAGRAPH_STATS_FILE", "/x", OSError(28, "No space left"))
-    metrics.publish([backend], failures)
+    observability.publish([backend], failures)
     labels = {"rank": "0", "dp_rank": "0", "setting": "FD_CUDAGRAPH_STATS_FILE"}
     assert (
         prometheus_client.REGISTRY.get_sample_value("fd_cudagraph_output_failures_total", labels)
@@ -160,10 +160,10 @@ def test_a_failing_publish_is_logged_once_counted_and_never_raised(
     def broken(backends, failures):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(metrics, "publish", broken)
+    monkeypatch.setattr(observability, "publish", broken)
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
-        stats.publish_metrics()
-        stats.publish_metrics()
+        observability.publish_metrics()
+        observability.publish_metrics()
     assert failures["FD_CUDAGRAPH_METRICS"] == 2
     lines = [r.getMessage() for r in caplog.records if "FD_CUDAGRAPH_METRICS" in r.getMessage()]
     assert len(lines) == 1 and "No space left on device" in lines[0]
@@ -173,22 +173,25 @@ def test_a_failing_publish_is_logged_once_counted_and_never_raised(
     ("env", "interval"),
     [
         ({}, 0.0),
-        ({"FD_CUDAGRAPH_METRICS": "1"}, metrics.PUBLISH_SECONDS),
-        ({"FD_CUDAGRAPH_STATS_FILE": "stats.jsonl"}, stats.STATS_FILE_FLUSH_SECONDS),
+        ({"FD_CUDAGRAPH_METRICS": "1"}, observability.PUBLISH_SECONDS),
         (
-            {"FD_CUDAGRAPH_METRICS": "1", "FD_CUDAGRAPH_STATS_FILE": "stats.jsonl"},
-            metrics.PUBLISH_SECONDS,
+            {"FD_CUDAGRAPH_STATS_FILE": "observability.jsonl"},
+            observability.STATS_FILE_FLUSH_SECONDS,
+        ),
+        (
+            {"FD_CUDAGRAPH_METRICS": "1", "FD_CUDAGRAPH_STATS_FILE": "observability.jsonl"},
+            observability.PUBLISH_SECONDS,
         ),
         ({"FD_CUDAGRAPH_METRICS": "1", "FD_CUDAGRAPH_STATS_INTERVAL": "30"}, 30.0),
     ],
 )
 def test_reporter_interval(env, interval, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert stats.reporter_interval(PluginOptions.from_env(env)) == interval
+    assert observability.reporter_interval(PluginOptions.from_env(env)) == interval
 
 
 def test_metrics_alone_start_the_reporter(sim, metrics_on):
     served_backend()
     reporter = process.current().reporter
-    assert reporter is not None and reporter.interval == metrics.PUBLISH_SECONDS
+    assert reporter is not None and reporter.interval == observability.PUBLISH_SECONDS
     assert not reporter.log

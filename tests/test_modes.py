@@ -271,8 +271,8 @@ def test_hundred_clear_recapture_cycles_leave_nothing_alive(plugin_registered, r
         runner.capture_model()
         runner.execute_step(3)
         backend = model.graph_opt_backend.cudagraph_piecewise_backend
-        graphs += [weakref.ref(e.graph) for e in backend.entries.decode.values()]
-        outputs += [weakref.ref(e.result) for e in backend.entries.decode.values()]
+        graphs += [weakref.ref(e.graph) for e in backend.table.decode.values()]
+        outputs += [weakref.ref(e.result) for e in backend.table.decode.values()]
         runner.clear_graph_opt_backend()
     gc.collect()
     assert sim.live_graphs == 0 and sim.live_pools == 0 and sim.pool_bytes(None) == 0
@@ -417,7 +417,7 @@ def test_only_prefill_through_develops_graphoptbackend_captures_nothing(plugin_r
     config = make_config(4, cudagraph_only_prefill=True, cudagraph_capture_sizes=[8, 4, 2])
     model, runner, backend = serve("only_prefill", config)
     assert backend.captures == 0
-    assert backend.expected_entries() == []
+    assert backend.expected() == []
     backend.check_capture_successful()  # nothing this routing can capture is missing
     out = runner.execute_step(3, exist_prefill=True)
     assert paddle.allclose(out, eager_at(model, runner, 3, 3)).item()

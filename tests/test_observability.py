@@ -18,7 +18,7 @@ from conftest import (
     served_by,
 )
 
-from fd_cudagraph_plugin.core import process, stats
+from fd_cudagraph_plugin.core import observability, process
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.guards import AddressGuardError, SelfCheckError
 from fd_cudagraph_plugin.core.session import CaptureSession
@@ -62,7 +62,7 @@ def test_module_level_aggregate_sums_every_backend(sim):
     capture_all(first, buffers)
     capture_all(second, buffers)
     first(**buffers.step(3))
-    totals = stats.aggregate()
+    totals = observability.aggregate()
     ours = {f"{id(first):#x}", f"{id(second):#x}"}
     assert ours <= set(totals["backends"])
     others = [s for key, s in totals["backends"].items() if key not in ours]
@@ -299,7 +299,7 @@ def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(s
     capture_all(backend, buffers)
     for tokens in (3, 4, 1):  # replayed steps: the readers merge these with the eager ones
         backend(**buffers.step(tokens))
-    writer = stats.StatsFile(
+    writer = observability.StatsFile(
         str(tmp_path / "stats.jsonl"), backend.settings, process.current().outputs
     )
     errors: list[BaseException] = []
@@ -310,7 +310,7 @@ def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(s
             while not done.is_set():
                 backend.stats()
                 backend.observed_keys()
-                stats.aggregate()
+                observability.aggregate()
                 writer.flush(backend)
         except BaseException as error:  # the failure under test
             errors.append(error)

@@ -80,7 +80,7 @@ def test_none_speculative_config_means_no_speculative_decoding():
     config = make_config(8)
     config.speculative_config = None
     settings = Settings.from_fd_config(config)
-    assert settings.speculative_method is None and not settings.keyed_by_running
+    assert settings.speculative_method is None and not settings.mode.keyed_by_running
 
 
 def test_settings_are_frozen_and_sizes_descending():
@@ -209,7 +209,7 @@ def test_static_split_without_prefill_graphs_serves_prefill_eagerly_without_a_wa
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
         out = backend(**step)
     assert out.shape[0] == 5 and backend.stats()["eager_fallbacks"] == {"prefill": 1}
-    assert backend.expected_entries() == list(backend.entries.decode.values())
+    assert backend.expected() == list(backend.table.decode.values())
     assert not caplog.records
 
 

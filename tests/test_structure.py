@@ -71,7 +71,7 @@ def test_the_serving_core_never_imports_the_tools():
         for m, deps in core.items()
     }
     assert {m: d for m, d in reaching.items() if d} == {}
-    assert "fd_cudagraph_plugin.core.stats" in graph["fd_cudagraph_plugin.tools.demo"]
+    assert "fd_cudagraph_plugin.core.observability" in graph["fd_cudagraph_plugin.tools.demo"]
 
 
 def test_the_package_is_pure_python():

@@ -13,9 +13,9 @@ import pytest
 from conftest import make_config
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.observability import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.core.outputs import OutputFailures
 from fd_cudagraph_plugin.core.settings import Settings
-from fd_cudagraph_plugin.core.stats import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
 from fd_cudagraph_plugin.tools.cli import main
 from fd_cudagraph_plugin.tools.traces import TraceError, read_histogram

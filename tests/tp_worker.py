@@ -243,7 +243,7 @@ def _self_check_fails(rank: Rank, mode: str) -> dict[str, Any]:
         backend = capture(
             tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1]), model_cls=model_cls
         )
-    disabled = [s for s, e in sorted(backend.entries.decode.items()) if e.disabled]
+    disabled = [s for s, e in sorted(backend.table.decode.items()) if e.disabled]
     return {**_facts(backend), "disabled": disabled}
 
 
@@ -364,12 +364,11 @@ def kv_record_missing(rank: Rank) -> dict[str, Any]:
         if rank.faulty:
             os.remove(reserve.Record.for_rank(log_dir, 0, rank.index).path)
         backend = start()
-    from fd_cudagraph_plugin.core import process
 
     return {
         **_facts(backend),
         "captures": backend.captures,
-        "reserve": process.current().reserve.applied.source,
+        "reserve": backend.capture_report.reserve.source,
     }
 
 

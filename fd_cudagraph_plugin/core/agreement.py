@@ -30,8 +30,9 @@ from fd_cudagraph_plugin.core.errors import (
     RankTimeoutError,
     SelfCheckError,
 )
-from fd_cudagraph_plugin.core.key import GraphKey
+from fd_cudagraph_plugin.core.graphs import GraphKey
 from fd_cudagraph_plugin.core.messages import MAX_TEXT, BadMessage, Failure, Kind, Status, text
+from fd_cudagraph_plugin.core.mode import Mode
 
 T = TypeVar("T")
 
@@ -54,24 +55,21 @@ _RESTART = (
 
 
 class Participant(Protocol):
-    """What the agreement asks of a backend taking part in a point."""
+    """What the agreement asks of a backend taking part in a point: its name in a label and a
+    failure."""
 
     role: str
-    settings: Any
-    runtime: Any
-
-    def graphs_expected(self, phase: str) -> int:
-        """How many graphs of ``phase`` this backend captures in a full session."""
+    mode: Mode
 
 
 class Report(Protocol):
     """Where the time spent agreeing is counted, and who words the advice after this rank ran
-    out of memory (``report.CaptureReport``: it knows what was captured and what is free)."""
+    out of memory (``session.CaptureReport``: it knows what was captured and what is free)."""
 
     agreement_seconds: float
     agreement_points: int
 
-    def out_of_memory_advice(self, participant: Participant, phase: str) -> str: ...
+    def out_of_memory_advice(self, participant: Any, phase: str) -> str: ...
 
 
 def failure_of(
@@ -80,7 +78,7 @@ def failure_of(
     """This rank's failure as it posts it, with the advice worded here, where the cause is
     known; every rank prints the text the outcome carries, so the same on every rank."""
     message = str(error).rstrip(". ")
-    out_of_memory = "out of memory" in message.lower() or isinstance(error, MemoryError)
+    out_of_memory = _out_of_memory(error)
     explained = isinstance(error, CudaGraphPluginError)
     if not advice:
         if out_of_memory:
@@ -384,12 +382,7 @@ def forget_locals(error: BaseException) -> None:
 def _mode(participant: Participant | None, key: GraphKey | None) -> str:
     if participant is None:
         return "between two agreement points, in FastDeploy's capture loop"
-    settings = participant.settings
-    mode = key.mode if key is not None else settings.mode
-    return (
-        f"{mode} mode, graph_opt_level={settings.graph_opt_level}, "
-        f"full_cuda_graph={settings.full_cuda_graph}"
-    )
+    return participant.mode.describe(key.static if key is not None else None)
 
 
 def solo(timeout: float) -> Agreement:

@@ -3,14 +3,17 @@
 ``GraphOptBackend`` builds one instance per decorated backbone (target model and MTP draft each
 have one) on the first forward with CUDA graphs on, and calls it with the model's keyword
 arguments, ``forward_meta`` among them. This class is that contract (``__init__``, ``__call__``,
-``clear_graph``, ``check_capture_successful``) and the part a capture session asks of it; it
-composes:
+``clear_graph``, ``check_capture_successful``, ``stats()``) and composes:
 
-* ``entries.py``: the graph entries;
-* ``dispatch.py``: the one place that decides a step's graph, and the fast path serving it;
+* ``mode.py``: the execution mode, which answers every mode question;
+* ``graphs.py``: the graph table;
+* ``dispatch.py``: the one place that decides a step's graph and counts every step, and the fast
+  path serving it;
 * ``capture.py``: capturing one entry, with the ranks' agreement points of ``agreement.py``;
-* ``counts.py``: served traffic and capture-time runs, counted apart, and ``stats()``;
-* ``warmups.py``: which sizes this backend has warmed.
+* ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode).
+
+What a capture session asks of a backend is ``session.SessionBackend``; the rest of a worker's
+process (the reporter, metrics, the capture-loop hooks) is ``hooks.adopt``'s.
 
 Graph outputs are the tensors the captured run returned. They live in graph memory, the same
 objects come back on every replay of that size, and the next replay overwrites them: FastDeploy's
@@ -21,27 +24,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fd_cudagraph_plugin.core import agreement, hooks, process, seam, stats
+from fd_cudagraph_plugin.core import agreement, hooks, observability, process, seam
 from fd_cudagraph_plugin.core.capture import Capturer
-from fd_cudagraph_plugin.core.counts import BackendStats, Counts
-from fd_cudagraph_plugin.core.dispatch import Dispatcher
-from fd_cudagraph_plugin.core.entries import Entries, GraphEntry
+from fd_cudagraph_plugin.core.dispatch import EAGER, REPLAY, Dispatcher
+from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
 from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError
-from fd_cudagraph_plugin.core.key import DECODE, PREFILL, RUNNING, Step
-from fd_cudagraph_plugin.core.memory import pool_policy
-from fd_cudagraph_plugin.core.messages import VERDICT, Unwarmed, text
-from fd_cudagraph_plugin.core.report import CaptureReport
+from fd_cudagraph_plugin.core.graphs import DECODE, GraphEntry, GraphTable, Step
+from fd_cudagraph_plugin.core.messages import VERDICT, text
+from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.warmups import WarmedSizes
 
-logger = logging.getLogger("fd_cudagraph_plugin")
+if TYPE_CHECKING:
+    from fd_cudagraph_plugin.core.session import CaptureReport, CaptureSession
 
-#: SOT's verdicts that a model is not one clean static graph (FastDeploy's
-#: ``apply_to_static_optimization`` raises them in its warm-up mode); nothing else means that.
-_NOT_ONE_STATIC_GRAPH = ("Model has breakgraph", "Model has multiple generated code")
+logger = logging.getLogger("fd_cudagraph_plugin")
 
 
 class CudaGraphBackend:
@@ -65,50 +65,34 @@ class CudaGraphBackend:
                 "CudaGraphBackend needs runnable= (and dy_runnable= on FastDeploy 2.5+)."
             )
         self.fd_config = fd_config
+        worker = process.current()
         # FastDeploy 2.4 hands over the (possibly static) runnable alone.
         self.settings = settings = Settings.from_fd_config(
-            fd_config, fastdeploy_2_4=dy_runnable is None
+            fd_config, worker.options, fastdeploy_2_4=dy_runnable is None
         )
         self.dy_runnable = dy_runnable if dy_runnable is not None else runnable
         self.runnable = runnable if runnable is not None else dy_runnable
         #: The backbone layer this backend serves (how the session tells target from draft).
         self.layer = getattr(self.dy_runnable, "__self__", None)
-        self.process = process.current()
-        options = settings.options
-        self.runtime = runtime if runtime is not None else get_runtime(options.runtime)
-        self._static = None
-        if settings.dy2st:
-            from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
-
-            self._static = StaticGraphDriver()
-        self.capturer = Capturer(
-            settings, self.runtime, pool_policy(settings), self._static, self.process.outputs
+        self.runtime = runtime if runtime is not None else get_runtime(settings.options.runtime)
+        #: The mode as decided so far: in static full mode the ranks agree at the first decode
+        #: capture who captures decode (``_decide_static_decode``).
+        self.mode = settings.mode
+        self._static = StaticGraphDriver() if self.mode.paddle_graphs else None
+        self._outputs = worker.outputs
+        self.capturer = Capturer(settings, self.runtime, self._static, self._outputs)
+        self.table = GraphTable(self.mode)
+        self.dispatcher = Dispatcher(
+            self.mode, self.table, settings.options.check_addresses, self._general
         )
-        #: Who captures decode graphs: Paddle inside its static program (True) or the plugin from
-        #: the dygraph model (False). Known from the mode except in static full mode, where every
-        #: rank agrees it at the first decode capture (``_decide_static_decode``): None until then.
-        self.static_decode: bool | None = (
-            True if settings.static_2_4 else None if settings.static_full else False
-        )
-        self.tally = BackendStats(settings)
         self.warmed = WarmedSizes()
         self.role = "target"
-        self._session: Any = None
+        #: The capture session open now, if this backend takes part in one.
+        self._session: CaptureSession | None = None
+        #: The report of the last capture session this backend took part in.
+        self.capture_report: CaptureReport | None = None
         self._warned: set[tuple[str, int]] = set()
-        self._saw_only_prefill_step = False
-        self._build_entries()
-        self._stats_file = None
-        if options.stats_file:
-            self._stats_file = stats.StatsFile(options.stats_file, settings, self.process.outputs)
-        self.process.add(self)
-        stats.start_reporter(options)
-        if options.metrics:
-            from fd_cudagraph_plugin.core import metrics
-
-            metrics.enable()
-        hooks.install()
-        if self.process.session is not None:
-            self.process.session.join(self)
+        self._stats_file = observability.stats_file(settings, self._outputs)
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
             logger.warning(
@@ -120,81 +104,41 @@ class CudaGraphBackend:
                 theirs,
                 ours,
             )
+        hooks.adopt(self)
 
     # ------------------------------------------------------------------ the hot path
 
     def __call__(self, **kwargs: Any) -> Any:
-        return self._serve(kwargs)
-
-    def _build_entries(self) -> None:
-        self.entries = Entries(self.settings, bool(self.static_decode), self.settings.dy2st)
-        self.dispatcher = Dispatcher(self.settings, self.entries)
-        self._rewire()
-
-    def _counting(self) -> Counts:
-        """The counters of this moment: a session's steps are not served traffic."""
-        return self.tally.during_capture if self._session is not None else self.tally.served
-
-    def _rewire(self) -> None:
-        """Point the hot path at the dispatcher's table and this moment's counters. The one
-        place ``_serve`` is set: after the entries are rebuilt and when a session opens or
-        closes."""
-        counts = self._counting()
-        self._serve = self.dispatcher.fast_path(
-            counts.steps, counts.tokens, self.settings.options.check_addresses, self._general
-        )
+        return self.dispatcher.serve(kwargs)
 
     # ------------------------------------------------------------------ the general path
 
     def _general(self, kwargs: dict, meta: Any, tokens: int) -> Any:
-        step = self.dispatcher.route(meta, tokens)
-        if step.key is None:
-            return self._eager(step.reason, tokens, kwargs, step.observed)
-        if step.key.phase == PREFILL and self.settings.only_prefill:
-            self._saw_only_prefill_step = True
-        entry = self.entries.entry(step.key)
-        if entry.disabled:
-            return self._eager("self_check_failed", tokens, kwargs, step.observed)
-        if entry.captured:
-            return self._replay(entry, step, tokens, kwargs)
-        if entry.size != tokens:
-            # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
-            return self._eager("not_captured", tokens, kwargs, step.observed)
+        action, step, entry = self.dispatcher.decide(meta, tokens)
+        if action == REPLAY:
+            return self._replay(entry, kwargs)
+        if action == EAGER:
+            return self._eager(step, tokens, kwargs)
         return self._capture_and_run(entry, step, tokens, kwargs)
 
-    def _replay(self, entry: GraphEntry, step: Step, tokens: int, kwargs: dict) -> Any:
+    def _replay(self, entry: GraphEntry, kwargs: dict) -> Any:
         if entry.addresses and self.settings.options.check_addresses:
             from fd_cudagraph_plugin.core import guards
 
             guards.check_addresses(entry.addresses, kwargs, entry.size)
-        counts = self._counting()
-        if entry.phase == PREFILL:
-            counts.prefill_steps[tokens] += 1
-        elif step.by == RUNNING:
-            counts.steps[step.observed] += 1
-            counts.tokens[step.observed] += tokens
-        elif self.settings.keyed_by_running:
-            # Speculative decoding, served by token count: counted apart, under its requests.
-            counts.by_tokens[tokens] += 1
-            counts.other_keys[step.observed] += 1
-        else:
-            counts.steps[tokens] += 1
         if entry.graph is None:
             return self._static.replay(self.runnable, kwargs, entry.size)
         entry.replay()
         return entry.result
 
-    def _eager(self, reason: str, tokens: int, kwargs: dict, observed: int | None = None) -> Any:
+    def _eager(self, step: Step, tokens: int, kwargs: dict) -> Any:
         """Run the step without a graph through ``dy_runnable``, as FastDeploy runs every step it
-        does not graph. ``observed``: a decode step's key, counted as observed."""
-        counts = self._counting()
-        counts.fallbacks[reason] += 1
-        if observed is not None:
-            counts.other_keys[observed] += 1
+        does not graph (the dispatcher counted it), with one warning per reason and shape."""
+        reason = step.reason
         if reason != "prefill" and (reason, tokens) not in self._warned and self._session is None:
             self._warned.add((reason, tokens))
             prefill = reason == "oversized_prefill"
-            sizes = self.settings.prefill_graph_sizes if prefill else self.settings.capture_sizes
+            sizes = self.mode.prefill_sizes if prefill else self.settings.capture_sizes
             logger.warning(
                 "CUDA graph backend %#x (%s): %d tokens ran without a graph (%s); the largest "
                 "captured %s size is %d. Further steps of this shape are counted in stats() "
@@ -213,20 +157,20 @@ class CudaGraphBackend:
     def _capture_and_run(self, entry: GraphEntry, step: Step, tokens: int, kwargs: dict) -> Any:
         session = self._session
         if session is None:
-            if self.process.sessions_ended or self.settings.tp_size > 1:
+            if process.current().sessions_ended or self.settings.tp_size > 1:
                 # A capture on this rank alone, outside FastDeploy's capture loop, would hang
                 # tensor-parallel peers; after capture_model() every new size runs eagerly.
-                return self._eager("late_capture", tokens, kwargs, step.observed)
+                return self._eager_now("late_capture", step, tokens, kwargs)
             points = agreement.solo(self.settings.options.rank_timeout)
             warmups, ordered = self.settings.num_warmups, True
         else:
             session.before_capture(self)
             points = session.agreement
             warmups, ordered = session.warmups_for(self, entry.key), session.ordered
-        if entry.phase == DECODE and self.settings.static_full and self.static_decode is None:
+        if entry.phase == DECODE and self.mode.undecided:
             self._decide_static_decode(kwargs, points)  # the decode entries are built anew
             step = self.dispatcher.route(kwargs["forward_meta"], tokens)
-            entry = self.entries.entry(step.key)
+            entry = self.table.entry(step.key)
         runnable = self.runnable if entry.key.static else self.dy_runnable
         captured = self.capturer.capture(
             self, entry.key, runnable, kwargs, points, warmups=warmups, ordered=ordered
@@ -253,35 +197,30 @@ class CudaGraphBackend:
                     "; ".join(disagreements),
                     entry.key,
                 )
-                entry.disabled = True
+                self.table.disable(entry)
                 self.dispatcher.publish(entry)
-                return self._eager("self_check_failed", tokens, kwargs, step.observed)
+                return self._eager_now("self_check_failed", step, tokens, kwargs)
         # The capturing call returns real outputs too; it ran on the captured inputs.
-        return self._replay(entry, step, tokens, kwargs)
+        self.dispatcher.replayed(step, tokens)
+        return self._replay(entry, kwargs)
+
+    def _eager_now(self, reason: str, step: Step, tokens: int, kwargs: dict) -> Any:
+        self.dispatcher.ran_eagerly(reason, step.observed)
+        return self._eager(Step(step.key, reason, step.observed, step.by), tokens, kwargs)
 
     def _decide_static_decode(self, kwargs: dict, points: agreement.Agreement) -> None:
         """Static full mode: Paddle's graphs decode where the SOT-translated program is one clean
-        static graph on every rank, else the plugin captures decode from the dygraph model.
-
-        FastDeploy hands its own backend dy_runnable for decode here, so it never runs this
-        program; its ``apply_to_static_optimization`` raises "Model has breakgraph" or "Model has
-        multiple generated code" for models SOT cannot translate whole, which serve fine eagerly.
-        Only those two fall back; any other error (an out-of-memory) stops every rank."""
+        static graph on every rank, else the plugin captures decode from the dygraph model."""
 
         def probe() -> str | None:
-            try:
-                self.runnable(**kwargs)
-            except Exception as error:
-                if any(text in str(error) for text in _NOT_ONE_STATIC_GRAPH):
-                    return text(f"{type(error).__name__}: {error}", 1000)
-                raise
-            self.runtime.warmed = True  # it ran the model: no cold capture follows
-            return None
+            verdict = static_probe(self.runnable, kwargs)
+            if verdict is None:
+                self.runtime.mark_warm()  # it ran the model: no cold capture follows
+            return None if verdict is None else text(verdict, 1000)
 
         verdicts = points.share("static probe", self, None, probe, VERDICT)
         broken = [(rank, why) for rank, why in enumerate(verdicts) if why]
-        self.static_decode = not broken
-        self._build_entries()
+        self._rebuild(self.mode.decided(static=not broken))
         if broken:
             logger.warning(
                 "CUDA graph backend %#x (%s), static full mode: the static program is not one "
@@ -292,39 +231,30 @@ class CudaGraphBackend:
                 "; ".join(f"rank {rank}: {why}" for rank, why in broken),
             )
 
+    def _rebuild(self, mode: Mode) -> None:
+        """A new graph table for ``mode``; the dispatcher keeps its counters."""
+        self.mode = mode
+        self.table = GraphTable(mode)
+        self.dispatcher.rebuild(mode, self.table)
+
     # ------------------------------------------------------------------ sessions
 
-    def join_session(self, session: Any, role: str | None) -> None:
+    def expected(self) -> list[GraphEntry]:
+        """The entries this mode captures: what ``check_capture_successful`` requires."""
+        return self.table.expected(self.dispatcher.saw_prefill_step)
+
+    def session_opened(self, session: CaptureSession, role: str | None) -> None:
         """A session opened for this backend: its steps count as capture-time."""
         self._session = session
         if role is not None:
             self.role = role
-        self._rewire()
+        self.dispatcher.in_session(True)
 
-    def leave_session(self, report: CaptureReport | None) -> None:
+    def session_closed(self, report: CaptureReport | None) -> None:
         self._session = None
         if report is not None:
-            self.tally.last_report = report
-        self._rewire()
-
-    def plan_fingerprint(self) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "capture_sizes": list(s.capture_sizes),
-            "prefill_sizes": list(s.prefill_graph_sizes),
-            "mode": s.mode,
-            "only_prefill": s.only_prefill,
-            "warmups": s.num_warmups,
-            "speculative_method": s.speculative_method,
-            "num_speculative_tokens": s.num_speculative_tokens,
-            "bsz_table": list(s.bsz_table),
-        }
-
-    def unwarmed(self) -> Unwarmed:
-        return self.warmed.missing(e.key for e in self.expected_entries())
-
-    def graphs_expected(self, phase: str) -> int:
-        return sum(1 for e in self.expected_entries() if e.phase == phase)
+            self.capture_report = report
+        self.dispatcher.in_session(False)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -339,7 +269,7 @@ class CudaGraphBackend:
         addresses. They are released here too. Clearing twice, or before any capture, is
         harmless.
         """
-        others = [b for b in self.process.backends() if b is not self]
+        others = [b for b in process.current().backends() if b is not self]
         released = self.release_graphs()
         for other in others:
             count = other.release_graphs()
@@ -363,12 +293,10 @@ class CudaGraphBackend:
 
     def release_graphs(self) -> int:
         """Drop this backend's graphs and capture state; return how many were captured."""
-        stats.log_summary("clear_graph", [self])
-        entries = self.entries.all()
+        observability.log_summary("clear_graph", [self])
+        entries = self.table.all()
         captured = sum(1 for e in entries if e.captured)
-        if self.settings.static_full:
-            self.static_decode = None
-        self._build_entries()
+        self._rebuild(self.settings.mode)  # static full decides again at the next capture
         for entry in entries:
             entry.release()
         if self._static is not None:
@@ -376,18 +304,9 @@ class CudaGraphBackend:
         self.capturer.reset()
         return captured
 
-    def expected_entries(self) -> list[GraphEntry]:
-        """The entries this mode captures: what ``check_capture_successful`` requires."""
-        settings = self.settings
-        if settings.only_prefill and not (settings.static_split or settings.fastdeploy_2_4):
-            # From 2.5 GraphOptBackend routes prefill steps to the backend only in static split
-            # mode, so without it this mode captures nothing (2.4 routes them).
-            return list(self.entries.prefill.values()) if self._saw_only_prefill_step else []
-        return self.entries.all()
-
     def check_capture_successful(self) -> None:
         """Raise if a size that this mode captures has no graph yet."""
-        missing = [str(e.key) for e in self.expected_entries() if not e.captured]
+        missing = [str(e.key) for e in self.expected() if not e.captured]
         if missing:
             raise CaptureIncompleteError(
                 f"CUDA graph backend {id(self):#x}: no graph for {', '.join(missing)}. Run "
@@ -396,11 +315,6 @@ class CudaGraphBackend:
             )
 
     # ------------------------------------------------------------------ stats
-
-    @property
-    def capture_report(self) -> CaptureReport | None:
-        """The report of the last capture session this backend took part in."""
-        return self.tally.last_report
 
     @property
     def cudagraph_capture_sizes(self) -> list[int]:
@@ -413,7 +327,7 @@ class CudaGraphBackend:
     def observed_keys(self) -> dict[int, int]:
         """Served decode steps per token count, or per running requests under speculative
         decoding, since construction: what ``fd-cudagraph tune`` reads."""
-        return self.tally.served.observed()
+        return self.dispatcher.served_counts.observed()
 
     def flush_stats(self) -> None:
         if self._stats_file is not None:
@@ -422,15 +336,11 @@ class CudaGraphBackend:
     def stats(self) -> dict[str, Any]:
         """Counters since construction (they survive ``clear_graph``), as plain data: served
         traffic, and apart from it what ran while FastDeploy captured."""
-        reserve = self.process.reserve
-        applied = reserve.applied if reserve is not None else None
-        static = None
-        if self.settings.static_full and self.static_decode is not None:
-            static = "static" if self.static_decode else "dynamic"
-        return self.tally.summary(
-            self.entries.all(),
+        return observability.backend_stats(
+            self.dispatcher,
+            self.table,
+            self.mode,
             self.captures,
             self.capturer.pool_policy,
-            static,
-            applied.nbytes if applied is not None else None,
+            self.capture_report,
         )

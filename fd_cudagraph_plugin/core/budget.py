@@ -6,8 +6,8 @@ increase`` (2.4 through develop), the cache takes that, and ``capture_model()`` 
 of whatever is left. Nothing counts graph memory, so a high ``gpu_memory_utilization`` runs out of
 memory in capture and a low one leaves memory idle. This module turns what the plugin measures
 into: the free memory after each session and the highest ``gpu_memory_utilization`` that would
-have fit (``fit_utilization``), advice after an out-of-memory in capture, and the reserve of
-``FD_CUDAGRAPH_KV_RESERVE`` (``reserve.py``).
+have fit (``fit_utilization``), and advice after an out-of-memory in capture. ``Reserve`` is what
+``FD_CUDAGRAPH_KV_RESERVE`` did at this start, as ``reserve.py`` publishes it to sessions.
 
 Pure arithmetic.
 """
@@ -15,9 +15,48 @@ Pure arithmetic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from enum import Enum
 
+from fd_cudagraph_plugin.core.errors import human_bytes
 from fd_cudagraph_plugin.core.messages import RankMemory
-from fd_cudagraph_plugin.core.text import human_bytes
+
+
+class Choice(Enum):
+    """What ``FD_CUDAGRAPH_KV_RESERVE`` asks for."""
+
+    OFF = "off"
+    AUTO = "auto"
+    SIZE = "a size"
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What ``FD_CUDAGRAPH_KV_RESERVE`` did at this start, a value handed on, never parsed."""
+
+    choice: Choice
+    #: Bytes taken out of FastDeploy's KV budget; None: none was taken (off, not yet, or
+    #: FastDeploy sized the cache without its memory profile).
+    nbytes: int | None = None
+    #: Where the figure came from, as the log line says it.
+    source: str = ""
+    #: The record keys whose figures it is (empty: a probe's estimate, a size, or nothing).
+    recorded_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def asked(cls, option: object) -> Reserve:
+        """The option's value as ``options.py`` parsed it ("off", "auto" or bytes), none taken."""
+        if option == "off":
+            return cls(Choice.OFF)
+        return cls(Choice.AUTO) if option == "auto" else cls(Choice.SIZE)
+
+    def said(self) -> str:
+        """``FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB``, for the advice."""
+        asked = "auto" if self.choice is Choice.AUTO else "a size"
+        if self.choice is Choice.SIZE and self.nbytes is not None:
+            asked = human_bytes(self.nbytes)
+        taken = human_bytes(self.nbytes) if self.nbytes is not None else "nothing"
+        return f"FD_CUDAGRAPH_KV_RESERVE={asked} reserved {taken}"
 
 
 def margin(total: int) -> int:
@@ -78,10 +117,10 @@ def oom_advice(
     free: int | None,
     total: int | None,
     utilization: float | None,
-    kv_reserve: str = "off",
+    reserve: Reserve = Reserve(Choice.OFF),
 ) -> str:
-    """What to change after an out-of-memory in capture, from what the failing rank knew.
-    ``kv_reserve`` is what FD_CUDAGRAPH_KV_RESERVE did at this start (``reserve.py``)."""
+    """What to change after an out-of-memory in capture, from what the failing rank knew, and
+    what FD_CUDAGRAPH_KV_RESERVE did at this start."""
     if graphs_done:
         parts = [
             f"Out of memory after {graphs_done} of {graphs_planned} graphs, which took "
@@ -108,16 +147,16 @@ def oom_advice(
             )
     else:
         text += " Lower --gpu-memory-utilization,"
-    if kv_reserve == "off":
-        reserve = " set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room for the graphs,"
-    elif "=auto" in kv_reserve:
-        reserve = (
-            f" ({kv_reserve}, which was too little: its recorded figure is dropped, so the next "
-            f"start measures again)"
+    if reserve.choice is Choice.OFF:
+        change = " set FD_CUDAGRAPH_KV_RESERVE=auto so the KV cache leaves room for the graphs,"
+    elif reserve.choice is Choice.AUTO:
+        change = (
+            f" ({reserve.said()}, which was too little: its recorded figure is dropped, so the "
+            f"next start measures again)"
         )
     else:
-        reserve = f" raise FD_CUDAGRAPH_KV_RESERVE ({kv_reserve}, which was too little),"
+        change = f" raise FD_CUDAGRAPH_KV_RESERVE ({reserve.said()}, which was too little),"
     return (
-        text + reserve + " or trim --max-num-seqs or cudagraph_capture_sizes in "
+        text + change + " or trim --max-num-seqs or cudagraph_capture_sizes in "
         "--graph-optimization-config."
     )

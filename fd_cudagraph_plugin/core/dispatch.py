@@ -1,66 +1,162 @@
-"""Which graph serves a step: decided here, in one place, and trusted everywhere else.
+"""Which graph serves a step, and what every step is counted under: decided here, in one place,
+and trusted everywhere else.
 
 The dispatcher owns the routing rule in two forms, kept equal by ``tests/test_dispatch.py``:
 
 * ``route(meta, tokens)``: every step's ``Step``, the graph key that serves it (phase, static or
-  dynamic, size) or why it runs eagerly, and what it is counted under;
-* ``fast_path(...)``: the same rule for the one common case, a decode step whose graph is
-  captured, as a closure over the table ``served`` (key -> entry) that ``publish`` keeps. The
-  backend's ``__call__`` is this closure: a few local reads, one list index and ``replay()``.
-  Every step it does not serve goes to ``route`` through the backend's general path.
+  dynamic, size) or why it runs eagerly, and what it is counted under; ``decide`` adds what the
+  backend does with it (replay, capture, or run it eagerly, and why);
+* ``serve``: the same rule for the one common case, a decode step whose graph is captured, as a
+  closure over the table ``served`` (key -> entry) that ``publish`` keeps. The backend's
+  ``__call__`` is this closure: a few local reads, one list index, ``replay()`` and one counter.
+  Every step it does not serve goes to the backend's general path, which asks ``decide``.
 
-It reads the step's ``ForwardMeta`` and the mode; it never captures or counts anything itself.
+Counting is here too, for both paths: served traffic and capture-time runs apart (``Counts``:
+``tune`` fits sizes to served steps only), the served ones switched in while no capture session
+is open. ``steps[key]`` counts decode replays by the hot path's key (token count, or running
+requests under speculative decoding), and under speculative decoding ``tokens[key]`` their tokens
+(elsewhere a key's tokens are the key). ``other_keys`` counts the decode steps of a key that its
+graph did not serve: run eagerly, or (speculative) replayed by token count, which ``by_tokens``
+counts. ``prefill_steps`` counts prefill replays by token count. Lists never change size, so
+another thread may read them while serving goes on; the Counters are read through ``dict()``
+copies, which CPython makes in one C call under the GIL.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core.entries import Entries, GraphEntry
-from fd_cudagraph_plugin.core.key import DECODE, RUNNING, TOKENS, GraphKey, Step
-from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.graphs import (
+    DECODE,
+    PREFILL,
+    RUNNING,
+    TOKENS,
+    GraphEntry,
+    GraphKey,
+    GraphTable,
+    Step,
+)
+from fd_cudagraph_plugin.core.mode import Mode
 
 General = Callable[[dict, Any, int], Any]
+#: What the backend does with a step the hot path did not serve.
+REPLAY, CAPTURE, EAGER = "replay", "capture", "eager"
+
+
+class Counts:
+    """The steps of one kind (served traffic, or a capture session's runs), as counted."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.steps = [0] * len(mode.key_table)
+        self.tokens = [0] * len(mode.key_table)
+        self.by_tokens = [0] * len(mode.decode_table)
+        self.prefill_steps = [0] * len(mode.prefill_table)
+        self.fallbacks: Counter[str] = Counter()
+        self.other_keys: Counter[int] = Counter()
+
+    def observed(self) -> dict[int, int]:
+        """Decode steps per key, however they were served: what ``fd-cudagraph tune`` reads."""
+        seen = Counter(dict(self.other_keys))
+        seen.update({key: n for key, n in enumerate(list(self.steps)) if n})
+        return dict(seen)
+
+    def per_size(self) -> tuple[Counter[int], Counter[int], Counter[int], Counter[int]]:
+        """Decode replays and padded tokens per size, then the same for prefill."""
+        mode = self.mode
+        replays: Counter[int] = Counter()
+        padded: Counter[int] = Counter()
+        tokens = list(self.tokens) if mode.keyed_by_running else None
+        for key, n in enumerate(list(self.steps)):
+            if n:
+                size = mode.key_table[key]
+                replays[size] += n
+                padded[size] += n * size - (tokens[key] if tokens else n * key)
+        _add_by_tokens(self.by_tokens, mode.decode_table, replays, padded)
+        prefill: Counter[int] = Counter()
+        prefill_padded: Counter[int] = Counter()
+        _add_by_tokens(self.prefill_steps, mode.prefill_table, prefill, prefill_padded)
+        return replays, padded, prefill, prefill_padded
+
+    def summary(self) -> dict:
+        """Replays, padding and eager steps as plain data (``stats()``)."""
+        replays, padded, prefill, _ = self.per_size()
+        return {
+            "replays": dict(sorted(replays.items())),
+            "prefill_replays": dict(sorted(prefill.items())),
+            "eager_fallbacks": dict(self.fallbacks),
+            "padded_tokens": sum(padded.values()),
+            "padded_tokens_per_size": {s: n for s, n in sorted(padded.items()) if n},
+        }
+
+
+def _add_by_tokens(steps: list[int], table: tuple[int, ...], replays: Counter, padded: Counter):
+    for tokens, n in enumerate(list(steps)):
+        if n:
+            replays[table[tokens]] += n
+            padded[table[tokens]] += n * (table[tokens] - tokens)
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, entries: Entries) -> None:
-        self.settings = settings
-        decode = entries.decode
+    """The routing rule, the served table and the counters of one backend. The counters outlive
+    the table: ``rebuild`` takes a new table (after a clear, or the static probe's verdict)."""
+
+    def __init__(self, mode: Mode, table: GraphTable, guard_every: int, general: General) -> None:
+        self.served_counts = Counts(mode)
+        #: Steps run while a capture session is open: not served traffic.
+        self.capture_counts = Counts(mode)
+        self.counts = self.served_counts
+        #: A prefill step reached the backend in only-prefill mode (from 2.5 only static split
+        #: routes them): what ``check_capture_successful`` then requires.
+        self.saw_prefill_step = False
+        self._guard_every = guard_every
+        self._general = general
+        self.rebuild(mode, table)
+
+    def rebuild(self, mode: Mode, table: GraphTable) -> None:
+        """Serve from ``table`` under ``mode``; nothing is published in it yet."""
+        self.mode = mode
+        self.table = table
+        decode = table.decode
         # Empty in cudagraph_only_prefill mode, where decode steps never reach the lookup.
         self._decode_keys = (
-            [decode[s].key if s else None for s in settings.decode_table] if decode else []
+            [decode[s].key if s else None for s in mode.decode_table] if decode else []
         )
-        self._prefill_keys = [entries.prefill[s].key if s else None for s in settings.prefill_table]
-        self._by_size = {size: entry.key for size, entry in entries.decode.items()}
+        self._prefill_keys = [table.prefill[s].key if s else None for s in mode.prefill_table]
+        self._by_size = {size: entry.key for size, entry in decode.items()}
         #: ``served[key]``: the entry the fast path replays for a decode key (token count, or
         #: running requests under speculative decoding), or None.
-        self.served: list[GraphEntry | None] = [None] * len(settings.key_table)
+        self.served: list[GraphEntry | None] = [None] * len(mode.key_table)
         #: For each decode size, the hot path's keys that pad to it.
         self._keys_of: dict[int, list[int]] = {}
-        for key, size in enumerate(settings.key_table):
+        for key, size in enumerate(mode.key_table):
             if key and size:
                 self._keys_of.setdefault(size, []).append(key)
+        self.serve = self._fast_path()
+
+    def in_session(self, open_: bool) -> None:
+        """A capture session opened (True) or closed: count its steps apart from served ones."""
+        self.counts = self.capture_counts if open_ else self.served_counts
+        self.serve = self._fast_path()
 
     def publish(self, entry: GraphEntry) -> None:
         """Let the fast path serve every decode key whose graph ``entry`` is (or stop, once
         disabled or released). Prefill graphs and Paddle-managed (static) graphs, which replay
         through Paddle's partial programs, are served by the general path only."""
-        if entry.phase != DECODE or entry.key.static or self.settings.only_prefill:
+        if entry.phase != DECODE or entry.key.static or self.mode.only_prefill:
             return
         served = entry if entry.captured and not entry.disabled else None
         for key in self._keys_of.get(entry.size, ()):
             self.served[key] = served
 
-    def fast_path(
-        self, steps: list[int], tokens_by_key: list[int], guard_every: int, general: General
-    ) -> Callable[[dict], Any]:
-        """The backend's ``__call__``: serve a step from ``served`` or hand it to ``general``.
-        ``steps`` and ``tokens_by_key`` are the counters it bumps (served traffic, or a
-        session's); ``guard_every``: every Nth servable step goes to ``general`` instead, which
-        checks the graph's input addresses (FD_CUDAGRAPH_CHECK_ADDRESSES)."""
-        served, keys = self.served, len(self.served)
+    def _fast_path(self) -> Callable[[dict], Any]:
+        """The backend's ``__call__``: serve a step from ``served`` or hand it to the general
+        path. Every Nth servable step (``FD_CUDAGRAPH_CHECK_ADDRESSES``) goes to the general path
+        instead, which checks the graph's input addresses."""
+        served, keys, general = self.served, len(self.served), self._general
+        steps, tokens_by_key, guard_every = self.counts.steps, self.counts.tokens, self._guard_every
         ticks = [0]
 
         def guard_due() -> bool:
@@ -70,7 +166,7 @@ class Dispatcher:
             ticks[0] = 0
             return True
 
-        if self.settings.keyed_by_running:
+        if self.mode.keyed_by_running:
 
             def serve_by_running(kwargs: dict) -> Any:
                 meta = kwargs["forward_meta"]
@@ -112,23 +208,73 @@ class Dispatcher:
 
         return serve_by_tokens
 
+    # ------------------------------------------------------------------ the general path
+
+    def decide(self, meta: Any, tokens: int) -> tuple[str, Step, GraphEntry | None]:
+        """What to do with a step the hot path did not serve: ``REPLAY`` its entry, ``CAPTURE``
+        it, or run it ``EAGER`` (the step's ``reason`` says why). A replay or an eager step is
+        counted here; a capture is counted by ``replayed`` once it has run."""
+        step = self.route(meta, tokens)
+        if step.key is None:
+            return self._eager(step, step.reason)
+        if step.key.phase == PREFILL and self.mode.only_prefill:
+            self.saw_prefill_step = True
+        entry = self.table.entry(step.key)
+        if entry.disabled:
+            return self._eager(step, "self_check_failed")
+        if entry.captured:
+            self.replayed(step, tokens)
+            return REPLAY, step, entry
+        if entry.size != tokens:
+            # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
+            return self._eager(step, "not_captured")
+        return CAPTURE, step, entry
+
+    def _eager(self, step: Step, reason: str) -> tuple[str, Step, None]:
+        self.ran_eagerly(reason, step.observed)
+        return EAGER, Step(step.key, reason, step.observed, step.by), None
+
+    def replayed(self, step: Step, tokens: int) -> None:
+        """Count a replay the general path made (the capturing call's included)."""
+        counts = self.counts
+        if step.key.phase == PREFILL:
+            counts.prefill_steps[tokens] += 1
+        elif step.by == RUNNING:
+            counts.steps[step.observed] += 1
+            counts.tokens[step.observed] += tokens
+        elif self.mode.keyed_by_running:
+            # Speculative decoding, served by token count: counted apart, under its requests.
+            counts.by_tokens[tokens] += 1
+            counts.other_keys[step.observed] += 1
+        else:
+            counts.steps[tokens] += 1
+
+    def ran_eagerly(self, reason: str, observed: int | None = None) -> None:
+        """Count a step run without a graph; ``observed``: a decode step's key."""
+        self.counts.fallbacks[reason] += 1
+        if observed is not None:
+            self.counts.other_keys[observed] += 1
+
+    def bypassed(self, meta: Any, tokens: int) -> None:
+        """Count a decode step FastDeploy ran without calling the backend, for being above the
+        largest captured size: ``tune`` learns what larger sizes would serve."""
+        observed = self._running(meta) if self.mode.keyed_by_running else tokens
+        self.ran_eagerly("oversized_decode", observed)
+
     def route(self, meta: Any, tokens: int) -> Step:
-        settings = self.settings
-        # FastDeploy 2.4 routes to the backend, in cudagraph_only_prefill mode, only the steps
-        # its runner flagged as prefill-only; its ForwardMeta has no exist_prefill to say so.
-        prefill = meta.exist_prefill or (settings.only_prefill and settings.fastdeploy_2_4)
-        if prefill:
+        mode = self.mode
+        if meta.exist_prefill or mode.flagged_prefill:
             return self._prefill(tokens)
-        if settings.only_prefill:
+        if mode.only_prefill:
             # Graphs of this mode hold prefill kernels; a decode step must not replay them.
             return Step(None, "decode_in_prefill_only_mode")
         if tokens == 0:
             # Nothing to compute, and a graph would re-run its kernels on the last step's
             # metadata (FastDeploy #3888).
             return Step(None, "zero_tokens")
-        if settings.keyed_by_running:
+        if mode.keyed_by_running:
             running = self._running(meta)
-            table = settings.bsz_table
+            table = mode.key_table
             size = table[running] if 0 < running < len(table) else 0
             # The running-request count names a token size; a step with more tokens than that
             # (an under-predicted real_bsz) must not replay a graph with fewer rows: it is
@@ -138,23 +284,17 @@ class Dispatcher:
             observed = running
         else:
             observed = tokens
-        if tokens > settings.max_size:
+        if tokens >= len(mode.decode_table):
             return Step(None, "oversized_decode", observed)
         return Step(self._decode_keys[tokens], observed=observed)
 
     def _prefill(self, tokens: int) -> Step:
-        settings = self.settings
         keys = self._prefill_keys
         if 0 < tokens < len(keys):
             return Step(keys[tokens])
         if tokens == 0:
             return Step(None, "zero_tokens")
-        if settings.static_split:
-            # No prefill graphs at all (max_capture_shape_prefill: 0) is not oversized.
-            return Step(None, "oversized_prefill" if settings.prefill_sizes else "prefill")
-        if settings.only_prefill:
-            return Step(None, "oversized_prefill")
-        return Step(None, "prefill")
+        return Step(None, self.mode.oversized_prefill_reason())
 
     @staticmethod
     def _running(meta: Any) -> int:
@@ -169,4 +309,4 @@ class Dispatcher:
         return int((seq_lens.flatten() > 0).sum())
 
 
-__all__ = ["Dispatcher", "GraphKey", "Step", "TOKENS", "RUNNING"]
+__all__ = ["CAPTURE", "EAGER", "REPLAY", "Counts", "Dispatcher", "GraphKey", "Step", "TOKENS"]

@@ -5,12 +5,36 @@ capture and replay a CUDA graph per partial program; it is told what to do throu
 of each ``run_program`` call, ``cuda_graph_state`` and ``cuda_graph_dispatch_key``. Paddle offers
 one hook to set them, ``pir_partial_program.replace_run_impl_guard``, and this module owns it.
 The graphs live inside Paddle's executor, so this module only tracks which keys were captured.
+
+It also reads SOT's verdict on a model (``static_probe``): in static full mode Paddle-managed
+graphs decode only where the SOT-translated program is one clean static graph.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
+
+#: SOT's verdicts that a model is not one clean static graph (FastDeploy's
+#: ``apply_to_static_optimization`` raises them in its warm-up mode); nothing else means that.
+NOT_ONE_STATIC_GRAPH = ("Model has breakgraph", "Model has multiple generated code")
+
+
+def static_probe(runnable: Callable[..., Any], kwargs: dict) -> str | None:
+    """Run the SOT-translated program once, eagerly: None when it ran (it is one clean static
+    graph), else SOT's verdict why not. Any other error is raised: an out-of-memory there is no
+    verdict on the model.
+
+    FastDeploy hands its own backend ``dy_runnable`` for decode in static full mode, so it never
+    runs this program; models SOT cannot translate whole serve fine eagerly."""
+    try:
+        runnable(**kwargs)
+    except Exception as error:
+        if any(text in str(error) for text in NOT_ONE_STATIC_GRAPH):
+            return f"{type(error).__name__}: {error}"
+        raise
+    return None
 
 
 class StaticGraphDriver:

@@ -1,4 +1,5 @@
-"""The package's exceptions. Each one carries what an operator needs to act on it."""
+"""The package's exceptions, each carrying what an operator needs to act on it, and how the plugin
+writes figures in them and in its log lines."""
 
 from __future__ import annotations
 
@@ -63,3 +64,15 @@ class CaptureOrderError(CudaGraphPluginError, RuntimeError):
 
 class AddressGuardError(CudaGraphPluginError, RuntimeError):
     """A graph input now lives at another address than at capture."""
+
+
+def human_bytes(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """``1 graph``, ``2 graphs``; ``many`` for nouns that do not just take an s."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"

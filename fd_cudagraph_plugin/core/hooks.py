@@ -1,5 +1,6 @@
 """FastDeploy's capture loops run inside a ``CaptureSession``, and its memory profile and the end
-of each capture loop call the KV reserve (``reserve.py``).
+of each capture loop call the KV reserve (``reserve.py``); a backend FastDeploy builds joins its
+process (``adopt``).
 
 ``GPUModelRunner.capture_model()`` (decode) and ``capture_model_prefill_and_mixed()`` (static split
 prefill) own the dummy runs that make the backends capture; the wrappers keep those loops and
@@ -14,9 +15,48 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core import process, reserve, seam
+from fd_cudagraph_plugin.core import observability, process, reserve, seam
 from fd_cudagraph_plugin.core.errors import CaptureError
-from fd_cudagraph_plugin.core.session import CaptureSession
+from fd_cudagraph_plugin.core.session import CaptureSession, SessionBackend
+
+
+def adopt(backend: SessionBackend) -> None:
+    """A backend was built: the process keeps it (clears, stats and sessions reach every live
+    one), the periodic reporter and metrics start with the first, the capture loops are wrapped
+    for runners imported some other way, and an open session takes it in."""
+    worker = process.current()
+    worker.add(backend)
+    options = backend.settings.options
+    observability.start(options)
+    install()
+    if options.stats_file:
+        seam.wrap_graph_opt_backend_call(_counting_steps_above_the_graphs)
+    if worker.session is not None:
+        worker.session.join(backend)
+
+
+def _counting_steps_above_the_graphs(original: Callable) -> Callable:
+    """``GraphOptBackend.__call__``, also counting the decode steps it runs without the backend
+    for being above the largest captured size (for the stats file; only when it is on)."""
+
+    @functools.wraps(original)
+    def __call__(graph_opt_backend: Any, **kwargs: Any) -> Any:
+        backend = seam.graph_backend_of(graph_opt_backend)
+        dispatcher = getattr(backend, "dispatcher", None)
+        meta = kwargs.get("forward_meta")
+        if dispatcher is None or meta is None or meta.exist_prefill:
+            return original(graph_opt_backend, **kwargs)
+        tokens = meta.ids_remove_padding.shape[0]
+        if tokens < len(dispatcher.mode.decode_table):
+            return original(graph_opt_backend, **kwargs)
+        counts = dispatcher.counts
+        before = counts.fallbacks["oversized_decode"]
+        result = original(graph_opt_backend, **kwargs)
+        if counts.fallbacks["oversized_decode"] == before:  # the backend never saw it
+            dispatcher.bypassed(meta, tokens)
+        return result
+
+    return __call__
 
 
 def _in_session(method: Callable, phase: str) -> Callable:
@@ -24,7 +64,12 @@ def _in_session(method: Callable, phase: str) -> Callable:
     def run_in_session(runner: Any, *args: Any, **kwargs: Any) -> Any:
         if process.current().session is not None:
             return method(runner, *args, **kwargs)
-        session = CaptureSession(phase, fd_config=getattr(runner, "fd_config", None), runner=runner)
+        session = CaptureSession(
+            phase,
+            fd_config=getattr(runner, "fd_config", None),
+            runner=runner,
+            reserve=reserve.state().current,
+        )
         try:
             with session:
                 result = method(runner, *args, **kwargs)
@@ -72,7 +117,9 @@ def watch() -> None:
 
 
 def uninstall() -> None:
+    graph_opt_backend = getattr(seam.import_or_none(seam.BACKEND_MODULE), "GraphOptBackend", None)
     wrapped = [(r, n) for r in seam.loaded_runners() for n, _ in seam.CAPTURE_LOOPS]
+    wrapped += [(graph_opt_backend, "__call__")] if graph_opt_backend is not None else []
     wrapped += [(w, "determine_available_memory") for w in seam.loaded_workers()]
     for owner, name in wrapped:
         original = getattr(owner.__dict__.get(name), "_fd_cudagraph_original", None)

@@ -3,12 +3,14 @@
 FastDeploy builds backends one at a time and gives them no shared object, so what outlives one
 backend lives here, on one object per process: the live backends, the capture session open now,
 the agreement links, the options read once, and the state of the parts that span sessions (the KV
-reserve, what has been warmed, the stats reporter, failed side-channel writes). Each part's
-state is written by its own module only (``reserve.py``, ``warmups.py``, ``stats.py``).
+reserve, the stats reporter, failed side-channel writes). Each part's state is written by its own
+module only (``reserve.py``, ``observability.py``, ``outputs.py``); the rest of the package is
+handed what it needs.
 
 The other process-wide state of the package, by design: the runtime registry
 (``runtime.get_runtime``: every backend of a process shares one runtime and its pools) and the
-Prometheus metrics (``metrics.py``: ``prometheus_client`` registers them once per process).
+Prometheus metrics (``observability.py``: ``prometheus_client`` registers them once per
+process).
 Tests start each case with a fresh ``WorkerProcess`` (``reset_for_tests``), as a new worker would.
 """
 
@@ -16,10 +18,23 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
+from fd_cudagraph_plugin.core.channel import Link
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.outputs import OutputFailures
+
+
+class OpenSession(Protocol):
+    """The capture session open now (``session.CaptureSession``), as a new backend meets it."""
+
+    def join(self, member: Any) -> None: ...
+
+
+class Stoppable(Protocol):
+    """The periodic stats thread (``observability.Reporter``)."""
+
+    def stop(self) -> None: ...
 
 
 class WorkerProcess:
@@ -27,23 +42,22 @@ class WorkerProcess:
         self._backends: list[weakref.ref] = []
         self._lock = threading.Lock()
         self._options: PluginOptions | None = None
-        #: The ``session.CaptureSession`` open now, if any (sessions do not nest).
-        self.session: Any = None
+        #: The capture session open now, if any (sessions do not nest).
+        self.session: OpenSession | None = None
         #: Sessions that have ended in this process: once one has, a size first seen later runs
         #: eagerly (a capture on one rank alone hangs tensor parallelism).
         self.sessions_ended = 0
         #: This process's links to its tensor-parallel group's agreement server, by name.
-        self.links: dict[str, Any] = {}
+        self.links: dict[str, Link] = {}
         #: Names of agreement channels in Paddle's job store start with this (tests, which run
         #: several "workers" one after another in one job, give each its own).
         self.link_prefix = "fd-cudagraph/v2"
         self.outputs = OutputFailures()
-        #: ``reserve.KvReserve``: FD_CUDAGRAPH_KV_RESERVE's state (written by reserve.py).
-        self.reserve: Any = None
-        #: ``warmups.WarmHistory``: what this process has warmed (written by warmups.py).
-        self.warmed: Any = None
-        #: ``stats.Reporter``, the periodic thread, once started (written by stats.py).
-        self.reporter: Any = None
+        #: FD_CUDAGRAPH_KV_RESERVE's state, a ``reserve.KvReserve`` (only reserve.py reads or
+        #: writes it).
+        self.reserve: object | None = None
+        #: The periodic stats thread, once started (written by observability.py).
+        self.reporter: Stoppable | None = None
         #: register() has said in the worker log what it did (it may be called again).
         self.announced = False
         #: (class, attribute) pairs the plugin added to FastDeploy's classes (seam.py).

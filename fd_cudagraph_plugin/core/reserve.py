@@ -25,14 +25,13 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from fd_cudagraph_plugin.core import fingerprint, outputs, process, seam
+from fd_cudagraph_plugin.core import outputs, process, seam
+from fd_cudagraph_plugin.core.budget import Choice, Reserve
+from fd_cudagraph_plugin.core.errors import human_bytes
 from fd_cudagraph_plugin.core.messages import FLAG
-from fd_cudagraph_plugin.core.report import CaptureReport
-from fd_cudagraph_plugin.core.session import CaptureSession
-from fd_cudagraph_plugin.core.text import human_bytes
+from fd_cudagraph_plugin.core.session import CaptureReport, CaptureSession, backends_plan
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -43,22 +42,15 @@ MAX_RECORD_BYTES = 1 << 20
 MAX_PLANS = 32
 
 
-@dataclass(frozen=True)
-class Reserve:
-    """The reserve applied to this worker's KV-cache budget, and where its figure came from."""
-
-    nbytes: int
-    source: str
-    #: The record keys whose figures it is (empty: a probe's estimate, a size, or nothing).
-    recorded_keys: tuple[str, ...] = ()
-
-
 class KvReserve:
-    """What FD_CUDAGRAPH_KV_RESERVE did in this process."""
+    """What FD_CUDAGRAPH_KV_RESERVE did in this process; it publishes ``current``, a frozen
+    ``budget.Reserve`` the hooks hand to every session (its report and its advice)."""
 
-    def __init__(self) -> None:
-        #: The reserve taken out of the KV budget at this start; None: none was taken.
-        self.applied: Reserve | None = None
+    def __init__(self, worker: process.WorkerProcess) -> None:
+        self._worker = worker
+        self.options = worker.options
+        #: What the reserve did at this start: nothing taken until the memory profile ran.
+        self.current = Reserve.asked(self.options.kv_reserve)
         #: What the probe left taken on the device after its graphs were released: a start
         #: without a probe takes it in its capture, so the next record adds it once.
         self.probe_kept = 0
@@ -66,33 +58,25 @@ class KvReserve:
         self.taken = 0
         self._warned = False
 
-    def describe(self) -> str:
-        """What the reserve did, for the out-of-memory advice: "off" when nothing was asked,
-        else e.g. ``FD_CUDAGRAPH_KV_RESERVE=auto reserved 20.0 MiB``."""
-        choice = process.current().options.kv_reserve
-        if choice == "off":
-            return "off"
-        taken = human_bytes(self.applied.nbytes) if self.applied is not None else "nothing"
-        return f"FD_CUDAGRAPH_KV_RESERVE={_choice_text(choice)} reserved {taken}"
-
     # -- seam 1: the memory profile
 
     def on_memory_profile(self, runner: Any, profile: Callable[[], Any]) -> Any:
         """Run FastDeploy's ``determine_available_memory`` (``profile``) with the reserve."""
-        choice = process.current().options.kv_reserve
-        if choice == "off":
+        choice = self.current.choice
+        if choice is Choice.OFF:
             return profile()
-        if choice == "auto":
+        if choice is Choice.AUTO:
             found: list[Reserve] = []
             with seam.before_profile_cache_is_cleared(
                 runner, lambda: found.append(self._auto(runner))
             ):
                 available = profile()
-            reserve = found[0] if found else Reserve(0, "the profile run built no backend")
+            reserve = found[0] if found else _auto(0, "the profile run built no backend")
         else:
             available = profile()
-            reserve = Reserve(int(choice), f"FD_CUDAGRAPH_KV_RESERVE={human_bytes(choice)}")
-        self.applied, self.taken, self._warned = reserve, 0, False
+            size = int(self.options.kv_reserve)
+            reserve = Reserve(choice, size, f"FD_CUDAGRAPH_KV_RESERVE={human_bytes(size)}")
+        self.current, self.taken, self._warned = reserve, 0, False
         logger.info(
             "FD_CUDAGRAPH_KV_RESERVE: the KV cache may take %s instead of %s, leaving %s for "
             "this rank's CUDA graphs (%s).",
@@ -105,12 +89,13 @@ class KvReserve:
 
     def _auto(self, runner: Any) -> Reserve:
         """``auto`` inside the profile run (the backends exist): the record, else a probe."""
-        members = process.current().backends()
+        members = self._worker.backends()
         if not members:
-            return Reserve(0, "the profile run built no CUDA graph backend")
+            return _auto(0, "the profile run built no CUDA graph backend")
         settings = members[0].settings
         runtime = members[0].runtime
-        phases = ("prefill", "decode") if settings.static_split else ("decode",)
+        mode = settings.mode
+        phases = mode.recorded_phases
         record = Record.of(settings)
         device = runtime.device_memory()
         total, why, keys = 0, [], []
@@ -124,8 +109,7 @@ class KvReserve:
                 why.append(source)
             else:
                 total, keys = total + nbytes, [*keys, key]
-        recorded = None if why else Reserve(total, f"{source}, from {record.path}", tuple(keys))
-        plain = settings.mode == "dynamic" and not settings.speculative_method
+        recorded = None if why else _auto(total, f"{source}, from {record.path}", tuple(keys))
         sizes = list(settings.capture_sizes)
         picks = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]}, reverse=True)
         before = None
@@ -137,20 +121,21 @@ class KvReserve:
             runner=runner,
             ordered=False,
             purpose="KV-reserve probe",
+            reserve=self.current,
         )
         with session:
             lacking = any(
                 session.agreement.share("record", None, None, lambda: recorded is None, FLAG)
             )
-            probing = lacking and plain and not settings.only_prefill
+            probing = lacking and mode.probe_capturable
             if probing:
                 before = runtime.device_memory()
                 for size in picks:
                     seam.dummy_decode_step(runner, size)
         if not probing:
-            return recorded or Reserve(
+            return recorded or _auto(
                 0,
-                f"{why[0]}, and no probe in {settings.mode} mode with speculative method "
+                f"{why[0]}, and no probe in {mode.name} mode with speculative method "
                 f"{settings.speculative_method}: nothing reserved at this start; the next start "
                 f"with this plan reserves what this one measures",
             )
@@ -171,11 +156,11 @@ class KvReserve:
         try:
             self._after_capture(report, members)
         except Exception:
-            process.current().outputs.failed_here("reserve", "graph-memory record")
+            self._worker.outputs.failed_here("reserve", "graph-memory record")
 
     def _after_capture(self, report: CaptureReport, members: list[Any]) -> None:
         mine = report.mine()
-        choice = process.current().options.kv_reserve
+        choice = self.current.choice
         if mine is None or not report.records:
             return
         taken = mine.taken_bytes
@@ -187,15 +172,13 @@ class KvReserve:
         try:
             record.store(record_key(members, report.phase), recorded, mine.graph_bytes, what)
         except (OSError, ValueError) as error:
-            if choice != "off":
-                process.current().outputs.failed(
-                    "FD_CUDAGRAPH_KV_RESERVE record", record.path, error
-                )
+            if choice is not Choice.OFF:
+                self._worker.outputs.failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, error)
             else:  # nobody asked for it: a convenience for a later start with auto
                 logger.debug("no graph-memory record written to %s: %s", record.path, error)
-        if choice == "off":
+        if choice is Choice.OFF:
             return
-        if self.applied is None:
+        if self.current.nbytes is None:
             if not self._warned:
                 self._warned = True
                 logger.info(
@@ -206,17 +189,17 @@ class KvReserve:
                 )
             return
         self.taken += taken
-        if self.taken > self.applied.nbytes and not self._warned:
+        if self.taken > self.current.nbytes and not self._warned:
             self._warned = True
             logger.warning(
                 "FD_CUDAGRAPH_KV_RESERVE reserved %s (%s) for this rank's graphs, but they took "
                 "%s: the KV cache left %s too little.%s",
-                human_bytes(self.applied.nbytes),
-                self.applied.source,
+                human_bytes(self.current.nbytes),
+                self.current.source,
                 human_bytes(self.taken),
-                human_bytes(self.taken - self.applied.nbytes),
+                human_bytes(self.taken - self.current.nbytes),
                 " The record now holds the measured figure for the next start."
-                if choice == "auto"
+                if choice is Choice.AUTO
                 else "",
             )
 
@@ -227,38 +210,39 @@ class KvReserve:
         try:
             self._after_failed_capture(error, members)
         except Exception:
-            process.current().outputs.failed_here("reserve", "graph-memory record")
+            self._worker.outputs.failed_here("reserve", "graph-memory record")
 
     def _after_failed_capture(self, error: BaseException, members: list[Any]) -> None:
-        if not getattr(error, "out_of_memory", False) or self.applied is None:
+        if not getattr(error, "out_of_memory", False) or self.current.nbytes is None:
             return
-        keys = self.applied.recorded_keys
+        keys = self.current.recorded_keys
         if not keys or not members:
             return
         record = Record.of(members[0].settings)
         try:
             record.drop(keys)
         except (OSError, ValueError) as dropped:
-            process.current().outputs.failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, dropped)
+            self._worker.outputs.failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, dropped)
             return
         logger.warning(
             "FD_CUDAGRAPH_KV_RESERVE=auto reserved %s from %s and capture still ran out of "
             "memory: that figure is dropped, so the next start measures again.",
-            human_bytes(self.applied.nbytes),
+            human_bytes(self.current.nbytes),
             record.path,
         )
 
 
 def state() -> KvReserve:
-    """This process's reserve (made at first use)."""
-    owner = process.current()
-    if owner.reserve is None:
-        owner.reserve = KvReserve()
-    return owner.reserve
+    """This process's reserve (made at first use): it spans the memory profile and every later
+    capture loop, so it lives on the worker process, reached from the two seams only."""
+    worker = process.current()
+    if not isinstance(worker.reserve, KvReserve):
+        worker.reserve = KvReserve(worker)
+    return worker.reserve
 
 
-def _choice_text(choice: object) -> str:
-    return "auto" if choice == "auto" else human_bytes(int(choice))
+def _auto(nbytes: int, source: str, keys: tuple[str, ...] = ()) -> Reserve:
+    return Reserve(Choice.AUTO, nbytes, source, keys)
 
 
 def _estimate(report: CaptureReport, sizes: list[int], picks: list[int], why: str) -> Reserve:
@@ -270,7 +254,7 @@ def _estimate(report: CaptureReport, sizes: list[int], picks: list[int], why: st
     beside = max(mine.taken_bytes - mine.graph_bytes, 0) if mine is not None else 0
     largest = by_size.get(sizes[0], 0)
     further = max((n for size, n in by_size.items() if size != sizes[0]), default=0)
-    return Reserve(
+    return _auto(
         beside + largest + (len(sizes) - 1) * further,
         f"{why}; estimated from a probe capture of sizes {picks} ({human_bytes(largest)} for "
         f"the largest, up to {human_bytes(further)} for each other size, "
@@ -299,7 +283,7 @@ def record_key(members: list[Any], phase: str) -> str:
         "device": members[0].runtime.device_name(),
         "paddle": _paddle_version(),
         "plugin": __version__,
-        **fingerprint.backends_plan([m.plan_fingerprint() for m in members]),
+        **backends_plan(members),
     }
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -76,6 +76,26 @@ def bind_backend(cls: type) -> object:
     return getattr(module, "_fd_cudagraph_native_backend", native)
 
 
+def wrap_graph_opt_backend_call(wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace ``GraphOptBackend.__call__`` by ``wrap(original)``, once; False where there is
+    none. ``GraphOptBackend`` runs a decode step above its ``max_captre_size`` (sic) eagerly
+    without calling the backend (2.4 through develop), so only this sees those steps."""
+    cls = getattr(import_or_none(BACKEND_MODULE), "GraphOptBackend", None)
+    if cls is None:
+        return False
+    if not hasattr(cls.__call__, "_fd_cudagraph_original"):
+        original = cls.__call__
+        wrapped = wrap(original)
+        wrapped._fd_cudagraph_original = original
+        cls.__call__ = wrapped
+    return True
+
+
+def graph_backend_of(graph_opt_backend: object) -> object:
+    """The backend a ``GraphOptBackend`` built (None before its first graphed step)."""
+    return getattr(graph_opt_backend, "cudagraph_piecewise_backend", None)
+
+
 def backfill_forward_meta(patches: list[tuple[type, str]]) -> list[str]:
     """Give ``ForwardMeta`` class-level defaults for the fields its release lacks, so the replay
     path reads plain attributes on every release; return the names added, and note each in

@@ -8,8 +8,9 @@ prefill) own the dummy runs that make the backends capture. Each runs inside a `
   process's live objects pauses a capture, and turns it back on afterwards, also on error (no
   full collection first: with Paddle loaded one took 60-100 ms that FastDeploy's own capture does
   not spend; ``gc.freeze()``'s bookkeeping took up to 17 ms a session on the H200 host);
-* agrees the plan of every tensor-parallel rank before the first capture, and the warm-ups each
-  graph gets (``warmups.py``); its ``Agreement`` holds the later points (``agreement.py``);
+* agrees the plan of every tensor-parallel rank before the first capture (``plan_of``: what must
+  be equal on every rank for captures to line up) and the warm-ups each graph gets
+  (``warmups.py``); its ``Agreement`` holds the later points (``agreement.py``);
 * shows a progress bar per phase on rank 0, records each graph in a ``CaptureReport``, and ends
   with one summary line and the report on every backend that took part.
 
@@ -20,44 +21,245 @@ a write that fails is counted and logged once (``outputs.py``).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import zmq
 
-from fd_cudagraph_plugin.core import channel, fingerprint, outputs, process, seam, warmups
-from fd_cudagraph_plugin.core.agreement import Agreement, Participant, forget_locals
+from fd_cudagraph_plugin.core import budget, channel, outputs, process, seam, warmups
+from fd_cudagraph_plugin.core.agreement import Agreement, forget_locals
+from fd_cudagraph_plugin.core.budget import Reserve
 from fd_cudagraph_plugin.core.channel import JoinError, Link, LocalLink
-from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError, RankTimeoutError
-from fd_cudagraph_plugin.core.key import GraphKey
-from fd_cudagraph_plugin.core.messages import Maybe, Of, PlanPayload, RankMemory, Unwarmed
+from fd_cudagraph_plugin.core.errors import (
+    CaptureError,
+    RankMismatchError,
+    RankTimeoutError,
+    human_bytes,
+    plural,
+)
+from fd_cudagraph_plugin.core.graphs import GraphEntry, GraphKey
+from fd_cudagraph_plugin.core.messages import Maybe, Of, PlanPayload, RankMemory
+from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.options import PluginOptions
-from fd_cudagraph_plugin.core.report import CaptureRecord, CaptureReport
-from fd_cudagraph_plugin.core.settings import read_ranks
-from fd_cudagraph_plugin.core.text import human_bytes
+from fd_cudagraph_plugin.core.runtime import GraphRuntime
+from fd_cudagraph_plugin.core.settings import Settings, read_ranks
+from fd_cudagraph_plugin.core.warmups import WarmedSizes
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 
-class SessionBackend(Participant, Protocol):
+class SessionBackend(Protocol):
     """What a session asks of each backend taking part in it."""
 
-    layer: Any
+    layer: object
+    role: str
+    settings: Settings
+    mode: Mode
+    runtime: GraphRuntime
+    warmed: WarmedSizes
 
-    def plan_fingerprint(self) -> dict[str, Any]:
-        """What must be equal on every tensor-parallel rank for captures to line up."""
+    def expected(self) -> list[GraphEntry]:
+        """The graphs this backend captures in a full session."""
 
-    def unwarmed(self) -> Unwarmed:
-        """The sizes, by phase, this backend has not warmed in this process."""
-
-    def join_session(self, session: CaptureSession, role: str | None) -> None:
+    def session_opened(self, session: CaptureSession, role: str | None) -> None:
         """The session opened for this backend; ``role`` is its part in FastDeploy's model."""
 
-    def leave_session(self, report: CaptureReport | None) -> None:
+    def session_closed(self, report: CaptureReport | None) -> None:
         """The session closed; ``report`` is what it captured (None when it failed)."""
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+#: Lists up to this long are compared (and shown in a mismatch) in full; longer ones travel as
+#: their length and a digest, so that a post stays small whatever the sizes.
+FULL_LIST = 64
+
+
+def plan_of(member: SessionBackend) -> dict[str, Any]:
+    """What must be equal on every tensor-parallel rank for one backend's captures to line up."""
+    s = member.settings
+    return {
+        "capture_sizes": list(s.capture_sizes),
+        "prefill_sizes": list(s.mode.prefill_sizes),
+        "mode": s.mode.name,
+        "only_prefill": s.only_prefill,
+        "warmups": s.num_warmups,
+        "speculative_method": s.speculative_method,
+        "num_speculative_tokens": s.num_speculative_tokens,
+        "bsz_table": list(s.bsz_table),
+    }
+
+
+def backends_plan(members: Sequence[SessionBackend]) -> dict[str, Any]:
+    """Each backend's plan, its keys prefixed with the backend's place; long lists compacted."""
+    return {
+        f"backend{index}.{key}": _compact(value)
+        for index, member in enumerate(members)
+        for key, value in plan_of(member).items()
+    }
+
+
+def _compact(value: Any) -> Any:
+    if isinstance(value, (list, tuple)) and len(value) > FULL_LIST:
+        text = json.dumps(list(value), separators=(",", ":"), default=str)
+        return f"{len(value)} entries, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return value
+
+
+def plan_diff(plans: list[dict[str, Any]]) -> list[str]:
+    """One line per rank whose plan differs from rank 0's, naming each differing key."""
+    lines = []
+    reference = plans[0]
+    for rank, plan in enumerate(plans[1:], start=1):
+        keys = sorted(set(reference) | set(plan))
+        diffs = [
+            f"{key}: rank 0 {_short(reference.get(key))} vs rank {rank} {_short(plan.get(key))}"
+            for key in keys
+            if reference.get(key) != plan.get(key)
+        ]
+        if diffs:
+            lines.append(f"rank {rank}: " + "; ".join(diffs[:8]) + ("; ..." if diffs[8:] else ""))
+    return lines
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# -------------------------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class CaptureRecord:
+    backend: str
+    role: str
+    phase: str
+    size: int
+    seconds: float
+    graph_bytes: int
+    warmups: int
+
+
+@dataclass
+class CaptureReport:
+    """What one session captured: ``summary()`` is its one log line, ``to_json()`` what
+    ``FD_CUDAGRAPH_MEMORY_REPORT`` writes."""
+
+    phase: str
+    rank: int
+    #: What FD_CUDAGRAPH_KV_RESERVE did at this start (``reserve.py`` hands it on).
+    reserve: Reserve = field(default_factory=lambda: Reserve(budget.Choice.OFF))
+    seconds: float = 0.0
+    #: Of ``seconds``: the one-off start (the plan agreement).
+    setup_seconds: float = 0.0
+    #: Of ``seconds``: time spent at agreement points (waiting for other ranks included).
+    agreement_seconds: float = 0.0
+    agreement_points: int = 0
+    records: list[CaptureRecord] = field(default_factory=list)
+    #: Every rank's memory after the session (shared at its end), when the device can say.
+    memory: list[RankMemory] = field(default_factory=list)
+    #: Why warm-ups were skipped, when some were (``warmups.py``): the summary line says it.
+    warmup_note: str = ""
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def graph_bytes(self) -> int:
+        return sum(r.graph_bytes for r in self.records)
+
+    @property
+    def largest_graph_bytes(self) -> int:
+        return max((r.graph_bytes for r in self.records), default=0)
+
+    @property
+    def warmups(self) -> int:
+        return sum(r.warmups for r in self.records)
+
+    def mine(self) -> RankMemory | None:
+        return next((m for m in self.memory if m.rank == self.rank), None)
+
+    def summary(self) -> str:
+        seconds = _seconds(self.seconds)
+        if not self.records:
+            return f"{self.phase} capture session: no graphs captured in {seconds}"
+        sizes = sorted({r.size for r in self.records})
+        backends = len({r.backend for r in self.records})
+        size_text = f"size {sizes[0]}" if len(sizes) == 1 else f"sizes {sizes[0]}..{sizes[-1]}"
+        text = (
+            f"captured {plural(self.graphs, 'graph')} ({size_text}"
+            f"{f', {backends} backends' if backends > 1 else ''}) in {seconds}, "
+            f"graph memory {human_bytes(self.graph_bytes)} "
+            f"(largest graph {human_bytes(self.largest_graph_bytes)}), {self._warmup_text()}"
+        )
+        if self.memory:
+            text += "; " + budget.memory_line(self.memory, self.rank)
+        return text
+
+    def _warmup_text(self) -> str:
+        per_graph = sorted({r.warmups for r in self.records})
+        if self.warmup_note:
+            return f"{plural(self.warmups, 'warm-up')}: {self.warmup_note}"
+        if len(per_graph) == 1:
+            return f"{plural(per_graph[0], 'warm-up')} each"
+        return f"{per_graph[0]}-{per_graph[-1]} warm-ups each"
+
+    def out_of_memory_advice(self, participant: SessionBackend, phase: str) -> str:
+        """What to change, from what this rank knew of memory when a capture ran out of it; the
+        rank posts it with its failure, so every rank prints it."""
+        device = participant.runtime.device_memory()
+        expected = sum(1 for e in participant.expected() if e.phase == phase)
+        return budget.oom_advice(
+            captured_bytes=self.graph_bytes,
+            graphs_done=self.graphs,
+            graphs_planned=max(expected, self.graphs + 1),
+            free=device[0] if device else None,
+            total=device[1] if device else None,
+            utilization=participant.settings.gpu_memory_utilization,
+            reserve=self.reserve,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "fd-cudagraph-memory/1",
+            "phase": self.phase,
+            "rank": self.rank,
+            "seconds": round(self.seconds, 6),
+            "setup_seconds": round(self.setup_seconds, 6),
+            "agreement_seconds": round(self.agreement_seconds, 6),
+            "agreement_points": self.agreement_points,
+            "graphs": self.graphs,
+            "graph_bytes": self.graph_bytes,
+            "largest_graph_bytes": self.largest_graph_bytes,
+            "warmups": self.warmups,
+            "captures": [asdict(r) for r in self.records],
+            "memory": [
+                {
+                    **asdict(m),
+                    "fit_gpu_memory_utilization": None
+                    if m.utilization is None or not m.total
+                    else budget.fit_utilization(m.utilization, m.free, m.total),
+                }
+                for m in self.memory
+            ],
+        }
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value >= 0.1 else f"{value * 1e3:.0f} ms"
+
+
+# ------------------------------------------------------------------------------- the session
 
 
 def link_for(fd_config: Any, options: PluginOptions) -> Link:
@@ -148,6 +350,7 @@ class CaptureSession:
         link: Link | None = None,
         ordered: bool = True,
         purpose: str = "",
+        reserve: Reserve | None = None,
     ) -> None:
         self.process = process.current()
         self.options = self.process.options
@@ -157,6 +360,8 @@ class CaptureSession:
         self.ordered = ordered
         self.purpose = purpose
         self._link = link
+        #: What FD_CUDAGRAPH_KV_RESERVE did at this start, for the report and the advice.
+        self.reserve = reserve or Reserve.asked(self.options.kv_reserve)
         self.agreement: Agreement | None = None
         self.report: CaptureReport | None = None
         self.members: list[SessionBackend] = []
@@ -182,7 +387,7 @@ class CaptureSession:
         try:
             link = self._link or link_for(self.fd_config, self.options)
             link.next_epoch()
-            self.report = CaptureReport(self.phase, link.rank)
+            self.report = CaptureReport(self.phase, link.rank, self.reserve)
             self.agreement = Agreement(link, self.options.rank_timeout, self.report)
             self._progress = Progress(link.rank == 0, self.process.outputs)
             self.process.session = self
@@ -205,7 +410,7 @@ class CaptureSession:
             # rebuilt its model may still hold the old model's backend.
             role = seam.role_of(getattr(member, "layer", None), self.runner) or "other"
         self.members.append(member)
-        member.join_session(self, role)
+        member.session_opened(self, role)
 
     def before_capture(self, member: SessionBackend) -> None:
         """Called by each capture. Where the backends were built inside the capture loop (no
@@ -238,11 +443,12 @@ class CaptureSession:
             "self_check": self.options.self_check,
             "custom_allreduce": seam.custom_allreduce() is not None,
             "backends": len(self.members),
-            **fingerprint.backends_plan([m.plan_fingerprint() for m in self.members]),
+            **backends_plan(self.members),
         }
-        mine = PlanPayload(plan=plan, unwarmed=[m.unwarmed() for m in self.members])
+        unwarmed = [m.warmed.missing(e.key for e in m.expected()) for m in self.members]
+        mine = PlanPayload(plan=plan, unwarmed=unwarmed)
         everyone = self.agreement.share("plan", None, None, lambda: mine, Of(PlanPayload))
-        diff = fingerprint.plan_diff([e.plan for e in everyone])
+        diff = plan_diff([e.plan for e in everyone])
         if diff:
             raise self.agreement.stop(
                 RankMismatchError(
@@ -275,7 +481,7 @@ class CaptureSession:
         self._progress.step(
             label,
             record.backend,
-            member.graphs_expected(record.phase),
+            sum(1 for e in member.expected() if e.phase == record.phase),
             f"size {record.size}, graph memory {human_bytes(graph_bytes)}",
         )
 
@@ -331,7 +537,7 @@ class CaptureSession:
         if self.report is not None:
             self.report.seconds = time.perf_counter() - self._started
         for member in self.members:
-            member.leave_session(None if failed else self.report)
+            member.session_closed(None if failed else self.report)
 
     def _finish(self) -> None:
         report = self.report
@@ -349,4 +555,4 @@ class CaptureSession:
                 self.process.outputs.failed("FD_CUDAGRAPH_MEMORY_REPORT", path, error)
 
 
-__all__ = ["CaptureError", "CaptureSession", "Progress", "link_for"]
+__all__ = ["CaptureError", "CaptureReport", "CaptureSession", "Progress", "link_for"]

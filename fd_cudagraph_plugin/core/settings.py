@@ -7,13 +7,13 @@ naming the field, the value and the fix, instead of a ``KeyError`` in the middle
 
 from __future__ import annotations
 
-import dataclasses
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
 
@@ -143,10 +143,16 @@ class Settings:
     #: Paddle-managed static graph (``run_static_model``), whatever ``full_cuda_graph`` says.
     fastdeploy_2_4: bool
     options: PluginOptions
+    #: Index = a decode step's tokens, value = the captured size it pads to (0: none).
     decode_table: tuple[int, ...] = field(repr=False)
-    prefill_table: tuple[int, ...] = field(repr=False)
+    #: Index = running requests, value = the captured size FastDeploy maps them to (speculative).
     bsz_table: tuple[int, ...] = field(repr=False)
     padding_disagreements: tuple[tuple[int, int, int], ...] = field(repr=False)
+    #: The mode these settings configure (``mode.py``); a backend's may then be decided further.
+    mode: Mode = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.of(self))
 
     @property
     def tp_rank(self) -> int:
@@ -164,79 +170,17 @@ class Settings:
     def dp_size(self) -> int:
         return self.ranks.dp_size
 
-    @property
-    def dy2st(self) -> bool:
-        return self.graph_opt_level > 0
-
-    @property
-    def static_split(self) -> bool:
-        """Prefill as Paddle-managed graphs, decode captured from the dygraph model (2.5+)."""
-        return self.dy2st and not self.full_cuda_graph and not self.fastdeploy_2_4
-
-    @property
-    def static_full(self) -> bool:
-        """Decode as one Paddle-managed graph where the model is one clean static graph (2.5+)."""
-        return self.dy2st and self.full_cuda_graph and not self.fastdeploy_2_4
-
-    @property
-    def static_2_4(self) -> bool:
-        """FastDeploy 2.4 with ``graph_opt_level`` >= 1: every graphed step is static."""
-        return self.dy2st and self.fastdeploy_2_4
-
-    @property
-    def mode(self) -> str:
-        if self.static_2_4:
-            return "static (FastDeploy 2.4)"
-        return (
-            "static_full"
-            if self.static_full
-            else "static_split"
-            if self.static_split
-            else "dynamic"
-        )
-
-    @property
-    def decode_sizes(self) -> tuple[int, ...]:
-        """Sizes of decode graphs: none in ``cudagraph_only_prefill`` mode."""
-        return () if self.only_prefill else self.capture_sizes
-
-    @property
-    def prefill_graph_sizes(self) -> tuple[int, ...]:
-        """Sizes of prefill graphs: the prefill list in static split mode; in
-        ``cudagraph_only_prefill`` mode the decode list, as FastDeploy's own backend keys them."""
-        if self.static_split:
-            return self.prefill_sizes
-        return self.capture_sizes if self.only_prefill else ()
-
-    @property
-    def keyed_by_running(self) -> bool:
-        """True when graphs are keyed by running requests: a speculative method with a non-empty
-        ``real_bsz_to_captured_size`` (ngram on 2.5 and 2.6 has none and is keyed by tokens)."""
-        return self.speculative_method is not None and any(self.bsz_table)
-
-    @property
-    def key_table(self) -> tuple[int, ...]:
-        """Index = the hot path's key (token count, or running requests), value = graph size."""
-        return self.bsz_table if self.keyed_by_running else self.decode_table
-
-    @property
-    def max_size(self) -> int:
-        return self.capture_sizes[0]
-
     @classmethod
     def from_fd_config(
         cls,
         fd_config: Any,
-        environ: Mapping[str, str] | None = None,
+        options: PluginOptions | None = None,
         *,
         fastdeploy_2_4: bool = False,
     ) -> Settings:
-        if environ is not None:
-            options = PluginOptions.from_env(environ)
-        else:
-            from fd_cudagraph_plugin.core import process
-
-            options = process.current().options
+        """``options``: the process's, read once (a worker's backends pass them); without them,
+        the environment's now."""
+        options = options if options is not None else PluginOptions.from_env()
         graph = getattr(fd_config, "graph_opt_config", None)
         if graph is None:
             raise ConfigError(
@@ -297,7 +241,7 @@ class Settings:
 
         decode_table = padding_table(sizes)
         bsz_table = _bsz_table(getattr(graph, "real_bsz_to_captured_size", None), decode_table)
-        settings = cls(
+        return cls(
             capture_sizes=sizes,
             prefill_sizes=prefill,
             num_warmups=warmups,
@@ -318,7 +262,6 @@ class Settings:
             fastdeploy_2_4=fastdeploy_2_4,
             options=options,
             decode_table=tuple(decode_table),
-            prefill_table=(),  # set below, from the mode
             bsz_table=tuple(bsz_table),
             padding_disagreements=tuple(
                 table_disagreements(
@@ -326,8 +269,6 @@ class Settings:
                 )
             ),
         )
-        prefill_table = tuple(padding_table(settings.prefill_graph_sizes))
-        return dataclasses.replace(settings, prefill_table=prefill_table)
 
 
 def _quantization(fd_config: object) -> str:

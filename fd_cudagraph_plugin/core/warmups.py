@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from fd_cudagraph_plugin.core.key import DECODE, PREFILL, GraphKey
+from fd_cudagraph_plugin.core.errors import plural
+from fd_cudagraph_plugin.core.graphs import DECODE, PREFILL, GraphKey
 from fd_cudagraph_plugin.core.messages import Unwarmed
-from fd_cudagraph_plugin.core.text import plural
 
 #: Warm-ups of a size captured before in this process: the eager run a capture reads host
 #: state from (see above). Never more than FastDeploy's configured count.

@@ -22,9 +22,9 @@ from typing import Any
 
 from fd_cudagraph_plugin.core import seam
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.observability import format_table
 from fd_cudagraph_plugin.core.options import PluginOptions, unknown_options
 from fd_cudagraph_plugin.core.sizes import padding_table
-from fd_cudagraph_plugin.core.stats import format_table
 from fd_cudagraph_plugin.tools import paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP
 from fd_cudagraph_plugin.tools.wording import plural, shown

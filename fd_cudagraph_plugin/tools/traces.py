@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
-from fd_cudagraph_plugin.core.stats import STATS_FORMAT
+from fd_cudagraph_plugin.core.observability import STATS_FORMAT
 from fd_cudagraph_plugin.tools.capture_rules import DECODE_CAP, MAX_SPECULATIVE_TOKENS, bad_k
 from fd_cudagraph_plugin.tools.wording import LIMIT, shown
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from fd_cudagraph_plugin.core.text import plural
+from fd_cudagraph_plugin.core.errors import plural
 
 __all__ = ["LIMIT", "plural", "shown"]
 

@@ -26,8 +26,11 @@ class GraphRuntime(Protocol):
     #: True when replay really runs a device graph (timings mean something).
     real_graphs: bool
     #: True once an eager run has happened in this process: libraries that initialise lazily
-    #: (cuBLAS) make a capture of a model never run before fail.
+    #: (cuBLAS) make a capture of a model never run before fail. Set by ``mark_warm`` only.
     warmed: bool
+
+    def mark_warm(self) -> None:
+        """An eager run of a model happened in this process (a warm-up, a probe)."""
 
     def new_pool(self) -> object:
         """A new memory-pool handle that several graphs may share."""

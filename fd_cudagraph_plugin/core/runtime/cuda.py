@@ -130,6 +130,9 @@ class CudaRuntime:
         #: True once an eager run has happened in this process (a cold capture fails).
         self.warmed = False
 
+    def mark_warm(self) -> None:
+        self.warmed = True
+
     def new_pool(self) -> object:
         return self._api.new_pool_id()
 

@@ -129,6 +129,9 @@ class SimulatedRuntime:
         """Make the next capture raise ``error`` after the captured work has run."""
         self._failures.append(error)
 
+    def mark_warm(self) -> None:
+        self.warmed = True
+
     def new_pool(self) -> object:
         pool = ("simulated-pool", next(self._pool_ids))
         self._pool_bytes[pool] = 0
