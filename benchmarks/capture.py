@@ -113,7 +113,7 @@ def time_capture(backend_class, max_num_seqs: int, recapture: bool = False) -> l
     forwards = count_forwards(backend)
     timings = [timed_capture(runner, backend, forwards)]
     if recapture:
-        runner.clear_graph_opt_backend()  # clear_graph() on the target, as FastDeploy calls it
+        model.clear_graph_opt_backend(fd_config=config)  # as FastDeploy's clear_parameters
         timings.append(timed_capture(runner, backend, forwards))
     hooks.uninstall()  # after every capture: the plugin's session wraps capture_model()
     return timings

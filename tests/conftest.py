@@ -31,6 +31,7 @@ from fastdeploy.config import (  # noqa: E402
     CacheConfig,
     FDConfig,
     GraphOptimizationConfig,
+    LoadConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -167,8 +168,11 @@ def make_config(
     tp: int = 1,
     sequence_parallel_moe: bool = False,
     splitwise_role: str = "mixed",
+    dynamic_load_weight: bool = False,
     **graph_args,
 ) -> FDConfig:
+    """``dynamic_load_weight``: the runner gets FastDeploy's ``DynamicWeightManager``, which its
+    weight paths (``clear_parameters``, ``sleep("weight")``, ``update_weights``) need."""
     graph = {"use_cudagraph": True, **graph_args}
     parallel = {"tensor_parallel_size": tp, "use_sequence_parallel_moe": sequence_parallel_moe}
     scheduler = {"max_num_seqs": max_num_seqs, "splitwise_role": splitwise_role}
@@ -178,6 +182,7 @@ def make_config(
         cache_config=CacheConfig({}),
         parallel_config=ParallelConfig(parallel),
         speculative_config=SpeculativeConfig(speculative or {}),
+        load_config=LoadConfig({"dynamic_load_weight": dynamic_load_weight}),
         test_mode=True,
     )
 

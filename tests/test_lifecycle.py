@@ -18,10 +18,13 @@ MTP = {"method": "mtp", "num_speculative_tokens": 1, "num_model_steps": 1}
 
 
 def build(draft_graphs: bool = True):
-    config = make_config(4, speculative=MTP, draft_model_use_cudagraph=draft_graphs)
+    config = make_config(
+        4, speculative=MTP, draft_model_use_cudagraph=draft_graphs, dynamic_load_weight=True
+    )
     target, draft = DecoratedMixing(fd_config=config), DecoratedDraft(fd_config=config)
     runner = GPUModelRunner(config, target, draft_model=draft)
     runner.profile_run()
+    runner.update_share_input_block_num(num_gpu_blocks=4)  # GpuWorker.initialize_cache
     runner.capture_model()
     return runner, target, draft
 

@@ -273,7 +273,7 @@ def test_hundred_clear_recapture_cycles_leave_nothing_alive(plugin_registered, r
         backend = model.graph_opt_backend.cudagraph_piecewise_backend
         graphs += [weakref.ref(e.graph) for e in backend.table.decode.values()]
         outputs += [weakref.ref(e.result) for e in backend.table.decode.values()]
-        runner.clear_graph_opt_backend()
+        model.clear_graph_opt_backend(fd_config=config)  # as clear_parameters calls it
     gc.collect()
     assert sim.live_graphs == 0 and sim.live_pools == 0 and sim.pool_bytes(None) == 0
     assert sim.captures == 300

@@ -44,10 +44,13 @@ def test_the_first_capture_of_a_process_runs_fastdeploys_warmups_in_full(plugin_
 def test_a_recapture_warms_each_size_once_and_says_why(fd_version, plugin_registered, event):
     if event == "sleep and wake-up" and fd_version in ("2.4",):
         pytest.skip("2.4 has no sleep and wake-up")
-    config = make_config(4, speculative=MTP, draft_model_use_cudagraph=True)
+    config = make_config(
+        4, speculative=MTP, draft_model_use_cudagraph=True, dynamic_load_weight=True
+    )
     target, draft = DecoratedMixing(fd_config=config), DecoratedDraft(fd_config=config)
     runner = GPUModelRunner(config, target, draft_model=draft)
     runner.profile_run()
+    runner.update_share_input_block_num(num_gpu_blocks=4)  # GpuWorker.initialize_cache
     runner.capture_model()
     if event == "weight update":
         runner.clear_parameters()

@@ -227,6 +227,9 @@ class CacheConfig:
 class LoadConfig:
     def __init__(self, args: dict | None = None) -> None:
         self.dynamic_load_weight: bool = False
+        #: How a reload reads weights: "ipc_snapshot" / "ipc" (``reload_model_weights`` takes
+        #: those) or "rsync" (``update_weights`` only; a reload then raises, as upstream).
+        self.load_strategy: str = "ipc_snapshot"
         _apply_known(self, args)
 
 

@@ -18,6 +18,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_PLUGINS": _plugins,
     "FD_LOG_DIR": lambda: os.getenv("FD_LOG_DIR", "log"),
     "FD_DEBUG": lambda: int(os.getenv("FD_DEBUG", "0")),
+    "FD_DETERMINISTIC_MODE": lambda: bool(int(os.getenv("FD_DETERMINISTIC_MODE", "0"))),
 }
 
 

@@ -6,6 +6,10 @@ The fields differ by release (``_stub_version.use`` rebinds ``ForwardMeta``):
 * 2.5: adds ``is_zero_size`` and ``exist_prefill``; still no ``real_bsz``, no ``__getattr__``;
 * 2.6 / develop: adds ``real_bsz`` and a ``__getattr__`` that reads unknown names as None.
 
+Every release has ``rotary_embs`` (the runner's ``rope_emb``) and ``caches`` (the runner's list of
+KV-cache tensors), both set by ``initialize_forward_meta`` each step, and ``clear_caches()``,
+which deletes the instance's ``caches`` (it then reads as the class default, None).
+
 Code that must run on every release has to read the newer fields with ``getattr(meta, name,
 default)``; plain attribute access raises on 2.4 and 2.5 as it does upstream.
 """
@@ -25,6 +29,12 @@ class _ForwardMeta24:
     step_use_cudagraph: bool = False
     seq_lens_this_time: paddle.Tensor | None = None
     is_dummy_or_profile_run: bool = False
+    rotary_embs: paddle.Tensor | None = None
+    caches: list[paddle.Tensor] | None = None
+
+    def clear_caches(self) -> None:
+        if self.caches:
+            del self.caches
 
 
 @dataclass

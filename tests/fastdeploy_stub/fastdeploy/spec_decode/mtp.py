@@ -10,12 +10,20 @@ Modelled from ``spec_decode/mtp.py`` (2.4-2.6) and ``mtp_cuda.py`` (develop):
 * dummy runs pass no ``real_bsz``, so the draft's ``forward_meta.real_bsz`` is 0 there (2.6+;
   2.4/2.5 have no such field); the draft never sets ``exist_prefill``;
 * with the flag on, ``forward_meta.seq_lens_this_time`` is swapped for the full
-  ``seq_lens_this_time_buffer`` and the output is sliced to the real token count.
+  ``seq_lens_this_time_buffer`` and the output is sliced to the real token count;
+* each substep builds a new ``ForwardMeta`` (``self.forward_meta``) whose ``rotary_embs`` and
+  ``caches`` are ``model_inputs["rope_emb"]`` and ``model_inputs["caches"]``;
+* the draft's KV cache: ``initialize_kv_cache(main_model_num_blocks, profile=False)`` makes new
+  tensors and a new ``model_inputs["caches"]`` list, ``clear_mtp_cache()`` deletes them (and
+  ``forward_meta.caches``), ``update_mtp_block_num(n)`` makes them for the final block count;
+* ``model_inputs``: a dict on 2.4 (no reset), a ``ProposerInputBatch`` with
+  ``reset_model_inputs()`` from 2.5 (``worker/input_batch.py`` says which tensors it re-creates).
 
 Simplified: the draft's ids and ``previous_hidden_states`` are copied into the proposer's own
 fixed buffers (upstream's kernels produce them), and later substeps feed on substep 0's ids + s.
 ``steps`` keeps, per substep of the last run, the inputs and the output, so a test can compare
-with an eager call of the draft.
+with an eager call of the draft. The draft's cache tensors are as small as the target's
+(``GPUModelRunner.kv_cache_shape``) and are not charged to the simulated device.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from __future__ import annotations
 from typing import Any
 
 import paddle
-from fastdeploy import _stub_version
+from fastdeploy import _stub_memory, _stub_version
 from fastdeploy.model_executor import forward_meta as _forward_meta
+from fastdeploy.worker.input_batch import ProposerInputBatch, plain_model_inputs
 
 
 class MTPProposer:
@@ -42,18 +51,36 @@ class MTPProposer:
             self._max_num_seqs * (spec.num_speculative_tokens + 1),
         )
         self._hidden = hidden
-        self.reset_model_inputs()
+        self._num_layers = getattr(model, "num_hidden_layers", 1)
+        if _stub_version.at_least("2.5"):
+            self.model_inputs = ProposerInputBatch(self._length, self._max_num_seqs, hidden)
+        else:
+            self.model_inputs = plain_model_inputs(self._length, self._max_num_seqs, hidden)
+        self.forward_meta = None
+        self.num_gpu_blocks = 0
         self.steps: list[dict[str, Any]] = []
 
-    def reset_model_inputs(self) -> None:
-        """New input tensors (upstream's ``reset_model_inputs`` on 2.5+ builds them with
-        ``paddle.full`` / ``paddle.clone``): a graph captured on the old ones reads stale memory."""
-        self.model_inputs = {
-            "ids": paddle.zeros([self._length], dtype="int64"),
-            "target_hidden_states": paddle.zeros([self._length, self._hidden], dtype="float32"),
-            "seq_lens_this_time_buffer": paddle.zeros([self._max_num_seqs], dtype="int32"),
-        }
+    # -- KV cache ----------------------------------------------------------------------------
+    def initialize_kv_cache(self, main_model_num_blocks: int, profile: bool = False) -> None:
+        from fastdeploy.worker.gpu_model_runner import kv_cache_shape
 
+        self.num_gpu_blocks = main_model_num_blocks
+        shape = kv_cache_shape(main_model_num_blocks, self._hidden)
+        self.model_inputs["caches"] = [
+            paddle.zeros(shape, dtype="float32") for _ in range(2 * self._num_layers)
+        ]
+
+    def clear_mtp_cache(self, profile: bool = False) -> None:
+        for tensor in self.model_inputs["caches"]:
+            _stub_memory.release(tensor)
+        del self.model_inputs["caches"]
+        if self.forward_meta is not None:
+            del self.forward_meta.caches
+
+    def update_mtp_block_num(self, num_gpu_blocks: int) -> None:
+        self.initialize_kv_cache(main_model_num_blocks=num_gpu_blocks)
+
+    # -- steps -------------------------------------------------------------------------------
     def _flag(self, step_use_cudagraph: bool, substep: int, is_dummy_run: bool) -> bool:
         flag = step_use_cudagraph and self.draft_model_use_cudagraph
         if _stub_version.at_least("2.5"):
@@ -91,7 +118,10 @@ class MTPProposer:
                 step_use_cudagraph=flag,
                 seq_lens_this_time=lens_buffer[: max(len(lens), 1)],
                 is_dummy_or_profile_run=is_dummy_run,
+                rotary_embs=inputs["rope_emb"],
+                caches=inputs.get("caches"),
             )
+            self.forward_meta = meta
             if _stub_version.at_least("2.6"):
                 meta.real_bsz = real_bsz
             if flag:
@@ -109,6 +139,7 @@ class MTPProposer:
                     "ids": view_ids.clone(),
                     "previous_hidden_states": view_hidden.clone(),
                     "output": out.clone(),
+                    "forward_meta": meta,
                     "step_use_cudagraph": flag,
                     "tokens": token_num,
                 }
@@ -119,8 +150,3 @@ class MTPProposer:
         return (self.fd_config_ids[:bsz] + substep) % self.vocab
 
     fd_config_ids: paddle.Tensor  # set by the runner: its ids buffer
-
-    def clear_graph_opt_backend(self) -> None:
-        from fastdeploy.model_executor.graph_optimization.decorator import clear_method_name
-
-        getattr(self.model, clear_method_name(_stub_version.current()))(fd_config=self.fd_config)

@@ -9,13 +9,20 @@ the stand-in's dummy runs allocate no activations on that device. ``initialize_k
 ``block_bytes``, reduced with MIN over the job's ranks as upstream does (an ``all_reduce`` over the
 default group, 2.4 through develop), then ``initialize_cache`` (with ``num_gpu_blocks_override``, no
 profile run).
+
+The lifecycle calls go through it as upstream's control path does (``run_control_method`` ->
+``GpuWorker.sleep/wakeup/update_weights``, 2.5+; one-line delegations to the runner), and
+``graph_optimize_and_warm_up_model`` is upstream's: prefill graphs first in static split mode
+(2.5+), then ``capture_model()``, then on 2.6 and develop with ``FD_DETERMINISTIC_MODE=1`` a
+``reset_share_inputs()`` that makes a new ``rope_emb`` after the graphs were captured.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastdeploy.worker.gpu_model_runner import GPUModelRunner, _simulated_device
+from fastdeploy import _stub_version, envs
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner, _only_from, _simulated_device
 
 
 class GpuWorker:
@@ -44,8 +51,25 @@ class GpuWorker:
     def initialize_cache(self, num_gpu_blocks: int) -> None:
         self.model_runner.update_share_input_block_num(num_gpu_blocks=num_gpu_blocks)
 
+    def update_weights(self, version: str | None = None, verify_checksum: bool = False) -> Any:
+        _only_from("2.5", "update_weights", "GpuWorker")
+        return self.model_runner.update_weights(version, verify_checksum)
+
+    def sleep(self, **kwargs: Any) -> None:
+        _only_from("2.5", "sleep", "GpuWorker")
+        return self.model_runner.sleep(**kwargs)
+
+    def wakeup(self, **kwargs: Any) -> None:
+        _only_from("2.5", "wakeup", "GpuWorker")
+        return self.model_runner.wakeup(**kwargs)
+
     def graph_optimize_and_warm_up_model(self) -> None:
+        goc = self.fd_config.graph_opt_config
+        if _stub_version.at_least("2.5") and goc.graph_opt_level >= 1 and not goc.full_cuda_graph:
+            self.model_runner.capture_model_prefill_and_mixed()
         self.model_runner.capture_model()
+        if _stub_version.at_least("2.6") and envs.FD_DETERMINISTIC_MODE:
+            self.model_runner.share_inputs.reset_share_inputs()
 
 
 def initialize_kv_cache(worker: GpuWorker) -> int:
