@@ -1,0 +1,368 @@
+"""A graph is never replayed against memory that moved (issue 30).
+
+FastDeploy's lifecycle re-creates some of what a decode graph reads (the weights, the KV cache,
+``rope_emb``, the MTP draft's inputs) and recaptures only on some paths. One test per row of the
+lifecycle table (docs/modes.md, "Lifecycle"), each over the releases that have the call, with and
+without the MTP draft: after the event every decode step served (target, and each draft substep)
+equals eager on the same inputs. The models (``graph_reads.py``) read those tensors as a CUDA graph
+does, so a graph that replays the old memory gives NaN (the stand-in fills what it frees with it).
+
+Rows where FastDeploy moves memory without recapturing fail with today's plugin; they are marked
+``xfail(strict=True)`` with the reason, so the fix turns them into passes (and an unexpected pass
+fails CI until the marker goes). The last part shows that FastDeploy's own backend replays stale
+memory after ``wakeup("kv_cache")``, and pins what the stand-in moves per release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import paddle
+import pytest
+from conftest import make_config
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fastdeploy.worker.gpu_worker import GpuWorker
+from graph_reads import (
+    FASTDEPLOY_BACKEND,
+    DecoratedKV,
+    DecoratedKVDraft,
+    fastdeploy_backend_class,
+    prefill,
+)
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1, "num_model_steps": 1}
+#: Releases with sleep(), wakeup() and update_weights() (2.4 has none of them).
+SLEEP_RELEASES = ("2.5", "2.6", "develop")
+ALL_RELEASES = ("2.4", "2.5", "2.6", "develop")
+#: Decode steps served after each event, as tokens (MTP: two per request).
+STEPS = {False: (4, 2, 3), True: (4, 2, 6)}
+
+KV_ONLY = (
+    "issue 30: wakeup('kv_cache') re-creates the KV caches, rope_emb and the draft's inputs and "
+    "captures nothing; the plugin replays graphs that read the freed tensors (NaN)"
+)
+
+
+@dataclass
+class Deployment:
+    runner: GPUModelRunner
+    worker: GpuWorker
+    target: DecoratedKV
+    draft: DecoratedKVDraft | None
+
+    def backends(self) -> list[Any]:
+        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        return [m.graph_opt_backend.cudagraph_piecewise_backend for m in models]
+
+    def replays(self) -> int:
+        return sum(sum(b.stats()["replays"].values()) for b in self.backends())
+
+    def captures(self) -> int:
+        return sum(b.captures for b in self.backends())
+
+    def prefill(self, seed: int) -> None:
+        """New requests' prefill: write the (current) caches in place."""
+        prefill(self.runner.share_inputs.get("caches"), seed)
+        if self.draft is not None:
+            prefill(self.runner.proposer.model_inputs.get("caches"), seed + 100)
+
+    def new_weights(self, scale: float) -> None:
+        """What a trainer publishes: every weight scaled (the next load reads it)."""
+        checkpoint = self.runner.dynamic_weight_manager.checkpoint
+        for name, value in checkpoint.items():
+            checkpoint[name] = value * scale
+
+
+def start(mtp: bool, **load: Any) -> Deployment:
+    """FastDeploy's start-up: profile run, KV caches for the final block count, capture."""
+    config = make_config(4, speculative=MTP if mtp else None, dynamic_load_weight=True)
+    config.graph_opt_config.draft_model_use_cudagraph = True
+    for name, value in load.items():
+        setattr(config.load_config, name, value)
+    target = DecoratedKV(fd_config=config)
+    draft = DecoratedKVDraft(fd_config=config) if mtp else None
+    runner = GPUModelRunner(config, target, draft_model=draft)
+    worker = GpuWorker(config, runner)
+    runner.profile_run()
+    worker.initialize_cache(num_gpu_blocks=4)
+    worker.graph_optimize_and_warm_up_model()
+    deployment = Deployment(runner, worker, target, draft)
+    deployment.prefill(seed=1)
+    return deployment
+
+
+def mismatches(d: Deployment, steps: tuple[int, ...]) -> list[str]:
+    """Serve ``steps``; every output (target, each draft substep) that is not eager's on the same
+    inputs, said with its step and the largest difference."""
+    found = []
+    for tokens in steps:
+        out = d.runner.execute_step(tokens)
+        ids = d.runner.share_inputs["ids"][:tokens]
+        eager = d.target.forward(ids_remove_padding=ids, forward_meta=d.runner.forward_meta)
+        found += _differs(f"target, {tokens} tokens", out, eager[:tokens])
+        for substep, step in enumerate(d.runner.proposer.steps if d.draft is not None else []):
+            eager = d.draft.forward(
+                ids_remove_padding=step["ids"],
+                previous_hidden_states=step["previous_hidden_states"],
+                forward_meta=step["forward_meta"],
+            )
+            found += _differs(f"draft substep {substep}, {tokens} tokens", step["output"], eager)
+    return found
+
+
+def _differs(what: str, served: paddle.Tensor, eager: paddle.Tensor) -> list[str]:
+    if paddle.allclose(served, eager).item():
+        return []
+    worst = float((served - eager).abs().max())
+    return [f"{what}: served differs from eager (max abs difference {worst})"]
+
+
+def serves_like_eager_on_graphs(d: Deployment, mtp: bool) -> None:
+    """Every step equals eager, and graphs served them (the check can see a stale graph)."""
+    before = d.replays()
+    assert mismatches(d, STEPS[mtp]) == []
+    assert d.replays() > before
+
+
+MODELS = pytest.mark.parametrize("mtp", [False, True], ids=["target", "target+draft"])
+
+
+# ------------------------------------------------------------------ one test per row
+
+
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+@MODELS
+def test_rsync_update_weights_moves_nothing_so_graphs_are_kept_and_read_the_new_values(
+    fd_version, plugin_registered, mtp
+):
+    d = start(mtp, load_strategy="rsync")
+    serves_like_eager_on_graphs(d, mtp)
+    before = d.runner.execute_step(4).clone()
+    captures = d.captures()
+    d.new_weights(1.5)
+    d.worker.update_weights(version="v2")  # set_value: the same addresses
+    assert d.captures() == captures  # FastDeploy recaptures nothing, and nothing needs it
+    serves_like_eager_on_graphs(d, mtp)
+    assert d.captures() == captures
+    assert not paddle.allclose(d.runner.execute_step(4), before).item()  # the weights changed
+
+
+@pytest.mark.parametrize("fd_version", ALL_RELEASES, indirect=True)
+@MODELS
+def test_legacy_clear_and_update_parameters_recapture_on_the_new_memory(
+    fd_version, plugin_registered, mtp
+):
+    d = start(mtp)
+    serves_like_eager_on_graphs(d, mtp)
+    captures = d.captures()
+    d.runner.clear_requests()
+    d.runner.clear_parameters(pid=0)
+    d.new_weights(0.5)
+    d.runner.update_parameters(pid=0)  # new weights, new KV (and 2.5+ rope_emb, draft inputs)
+    assert d.captures() > captures
+    d.prefill(seed=3)
+    serves_like_eager_on_graphs(d, mtp)
+
+
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+@MODELS
+def test_sleep_and_wakeup_of_weight_and_kv_cache_recapture_on_the_new_memory(
+    fd_version, plugin_registered, mtp
+):
+    d = start(mtp)
+    serves_like_eager_on_graphs(d, mtp)
+    captures = d.captures()
+    d.worker.sleep(tags="weight,kv_cache")
+    d.worker.wakeup(tags="weight,kv_cache")  # FastDeploy captures in the "weight" part
+    assert d.captures() > captures
+    d.prefill(seed=3)
+    serves_like_eager_on_graphs(d, mtp)
+
+
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+@MODELS
+def test_sleep_and_wakeup_of_weight_alone_recapture_on_the_new_memory(
+    fd_version, plugin_registered, mtp
+):
+    d = start(mtp)
+    serves_like_eager_on_graphs(d, mtp)
+    d.worker.sleep(tags="weight")
+    d.worker.wakeup(tags="weight")  # new rope_emb and draft inputs, reloaded weights, capture
+    serves_like_eager_on_graphs(d, mtp)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KV_ONLY)
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+@MODELS
+def test_after_sleep_and_wakeup_of_the_kv_cache_every_step_served_equals_eager(
+    fd_version, plugin_registered, mtp
+):
+    d = start(mtp)
+    serves_like_eager_on_graphs(d, mtp)
+    d.worker.sleep(tags="kv_cache")
+    d.worker.wakeup(tags="kv_cache")  # new caches, rope_emb, draft inputs; no capture
+    d.prefill(seed=3)
+    assert mismatches(d, STEPS[mtp]) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 30: every wakeup() resets the inputs first (a new rope_emb, new draft inputs), "
+    "also when the KV cache is awake and it returns at once; no capture follows",
+)
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+@MODELS
+def test_a_wakeup_with_nothing_asleep_still_moves_rope_emb_and_steps_equal_eager(
+    fd_version, plugin_registered, mtp
+):
+    d = start(mtp)
+    serves_like_eager_on_graphs(d, mtp)
+    d.worker.wakeup(tags="kv_cache")
+    assert mismatches(d, STEPS[mtp]) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 30: with FD_DETERMINISTIC_MODE=1, graph_optimize_and_warm_up_model() calls "
+    "reset_share_inputs() after capture_model(): a new rope_emb before the first step",
+)
+@pytest.mark.parametrize("fd_version", ["2.6", "develop"], indirect=True)
+@MODELS
+def test_in_deterministic_mode_the_first_steps_after_start_up_equal_eager(
+    fd_version, plugin_registered, mtp, monkeypatch
+):
+    monkeypatch.setenv("FD_DETERMINISTIC_MODE", "1")
+    d = start(mtp)
+    assert mismatches(d, STEPS[mtp]) == []
+
+
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+def test_waking_up_the_weights_alone_while_the_kv_cache_sleeps_is_refused_as_fastdeploy_does(
+    fd_version, plugin_registered
+):
+    d = start(mtp=False)
+    d.worker.sleep(tags="weight,kv_cache")
+    with pytest.raises(RuntimeError, match=r"Please wake up \[kv_cache\] first"):
+        d.worker.wakeup(tags="weight")
+
+
+# ------------------------------------------------------------------ FastDeploy's own backend
+
+
+@pytest.fixture
+def fastdeploys_backend(monkeypatch):
+    """FastDeploy's ``CudaGraphPiecewiseBackend`` bound where ``GraphOptBackend`` builds one."""
+    if not FASTDEPLOY_BACKEND.exists():
+        pytest.skip(f"needs {FASTDEPLOY_BACKEND} (FastDeploy's backend)")
+    from fastdeploy.model_executor.graph_optimization import graph_optimization_backend
+
+    monkeypatch.setattr(paddle.device, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(
+        graph_optimization_backend, "CudaGraphPiecewiseBackend", fastdeploy_backend_class()
+    )
+
+
+@pytest.mark.parametrize("fd_version", ["2.6", "develop"], indirect=True)
+@MODELS
+def test_fastdeploys_own_backend_replays_stale_memory_after_wakeup_of_the_kv_cache(
+    fd_version, fastdeploys_backend, mtp
+):
+    d = start(mtp)
+    entries = [
+        entry
+        for backend in d.backends()
+        for (_, is_prefill), entry in backend.concrete_size_entries.items()
+        if not is_prefill
+    ]
+    graphs = [e.cuda_graph for e in entries if e.cuda_graph is not None]
+    assert len(graphs) == len(entries)  # every decode size captured, by FastDeploy's backend
+
+    def replays() -> int:
+        return sum(g.replays for g in graphs)
+
+    before = replays()
+    assert mismatches(d, STEPS[mtp]) == []  # its graphs are right until the wake-up
+    assert replays() > before
+    d.worker.sleep(tags="kv_cache")
+    d.worker.wakeup(tags="kv_cache")
+    d.prefill(seed=3)
+    before = replays()
+    wrong = mismatches(d, STEPS[mtp])
+    assert replays() > before  # the same graphs, replayed on the freed memory
+    served = len(STEPS[mtp]) * (2 if mtp else 1)
+    assert len(wrong) == served and all(w.endswith("(max abs difference nan)") for w in wrong)
+
+
+# ------------------------------------------------------------------ what the stand-in moves
+
+
+def addresses(d: Deployment) -> dict[str, tuple[int, ...]]:
+    """``data_ptr()``s of what a decode graph reads, by kind."""
+    runner = d.runner
+    found = {
+        "weights": tuple(p.data_ptr() for p in d.target.parameters()),
+        "caches": tuple(t.data_ptr() for t in runner.share_inputs["caches"]),
+        "rope_emb": (runner.share_inputs["rope_emb"].data_ptr(),),
+        "ids": (runner.share_inputs["ids"].data_ptr(),),
+    }
+    if d.draft is not None:
+        inputs = runner.proposer.model_inputs
+        found["draft weights"] = tuple(p.data_ptr() for p in d.draft.parameters())
+        found["draft caches"] = tuple(t.data_ptr() for t in inputs["caches"])
+        found["draft rope_emb"] = (inputs["rope_emb"].data_ptr(),)
+        found["draft ids"] = (inputs["ids"].data_ptr(),)
+    return found
+
+
+def _clear_and_update(d: Deployment) -> None:
+    d.runner.clear_parameters(pid=0)
+    d.runner.update_parameters(pid=0)
+
+
+def _sleep_and_wake(tags: str):
+    def run(d: Deployment) -> None:
+        d.worker.sleep(tags=tags)
+        d.worker.wakeup(tags=tags)
+
+    return run
+
+
+EVENTS = {
+    "update_weights": lambda d: d.worker.update_weights(version="v2"),
+    "clear+update_parameters": _clear_and_update,
+    "sleep+wakeup weight,kv_cache": _sleep_and_wake("weight,kv_cache"),
+    "sleep+wakeup kv_cache": _sleep_and_wake("kv_cache"),
+}
+#: What each event moves (new data_ptr), per release, from gpu_model_runner.py, input_batch.py,
+#: mtp.py and dynamic_weight_manager.py of each branch (docs/modes.md, "Lifecycle").
+_INPUTS = {"rope_emb", "draft ids", "draft rope_emb"}
+_KV = {"caches", "draft caches"}
+_WEIGHTS = {"weights", "draft weights"}
+MOVES = {
+    ("update_weights", "2.5"): set(),
+    ("clear+update_parameters", "2.4"): {"weights", "caches"},
+    ("clear+update_parameters", "2.5"): _WEIGHTS | _KV | _INPUTS,
+    ("sleep+wakeup weight,kv_cache", "2.5"): _WEIGHTS | _KV | _INPUTS,
+    ("sleep+wakeup kv_cache", "2.5"): _KV | _INPUTS,
+}
+
+
+@pytest.mark.parametrize("fd_version", ALL_RELEASES, indirect=True)
+@pytest.mark.parametrize("event", list(EVENTS))
+def test_the_stand_in_moves_what_each_release_of_fastdeploy_moves(
+    fd_version, plugin_registered, event
+):
+    d = start(mtp=True)
+    if fd_version == "2.4" and event != "clear+update_parameters":
+        with pytest.raises(AttributeError, match=r"'GpuWorker' object has no attribute"):
+            EVENTS[event](d)  # 2.4 has no update_weights, sleep or wakeup
+        return
+    before = addresses(d)
+    EVENTS[event](d)
+    after = addresses(d)
+    moved = {kind for kind in before if before[kind] != after[kind]}
+    expected = MOVES.get((event, fd_version), MOVES.get((event, "2.5")))
+    assert moved == expected
