@@ -54,13 +54,14 @@ def start(utilization: float, sizes=(8, 4, 2, 1), **graph_args):
 
 def restart(sim):
     """A new process: a fresh worker, runtime and device; the record on disk kept."""
+    from simulated import TestRuntime
+
     from fd_cudagraph_plugin.core import runtime
-    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
     for backend in process.current().backends():
         backend.clear_graph()
     process.reset_for_tests()
-    fresh = _device(SimulatedRuntime())
+    fresh = _device(TestRuntime())
     fresh.first_capture_keeps = sim.first_capture_keeps
     runtime.install_runtime(fresh)
     return fresh

@@ -230,7 +230,7 @@ def test_set_options_are_listed():
 
 @pytest.mark.parametrize(("importable", "status"), [(True, OK), (False, WARN)])
 def test_metrics_without_prometheus_client_warn_with_the_fix(importable, status, monkeypatch):
-    """FD_CUDAGRAPH_METRICS=1 exports nothing without prometheus_client (metrics.py logs it)."""
+    """FD_CUDAGRAPH_METRICS=1 exports nothing without prometheus_client (the plugin logs it)."""
     if not importable:
         monkeypatch.setitem(sys.modules, "prometheus_client", None)
     result = doctor.check_options({"FD_CUDAGRAPH_METRICS": "1"})

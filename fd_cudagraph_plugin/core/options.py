@@ -121,7 +121,7 @@ def describe(env: str, value: object) -> str:
     return str(value)
 
 
-#: Placeholders of output paths, expanded per process by ``stats.output_path``.
+#: Placeholders of output paths, expanded per process by ``outputs.output_path``.
 PATH_PLACEHOLDERS = ("{rank}", "{dp_rank}")
 
 
@@ -130,7 +130,7 @@ def _path(text: str) -> str:
 
     Checked as rank 0's path: the directory may be missing (it is created at the first write) as
     long as its nearest existing ancestor is a directory ``os.access`` lets us create files in.
-    No file is created to find out; ``probe_writable`` does, for ``fd-cudagraph doctor``.
+    No file is created to find out; ``fd-cudagraph doctor`` creates one where asked.
     Braces are for the placeholders only: ``{foo}`` or a lone ``{rank`` would be written
     literally, never what was meant (a misspelt placeholder), so any other brace is refused.
     """
@@ -179,24 +179,6 @@ def rank_zero_path(template: str) -> str:
     for placeholder in PATH_PLACEHOLDERS:
         path = path.replace(placeholder, "0")
     return path
-
-
-def probe_writable(path: str) -> None:
-    """Create and remove a file where ``path`` would be written: what ``os.access`` cannot tell
-    (root on ``/proc``). For ``fd-cudagraph doctor``; a worker's start creates nothing."""
-    import tempfile
-
-    ancestor = os.path.dirname(os.path.abspath(rank_zero_path(path)))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
-    except OSError as error:
-        raise ValueError(
-            f"cannot create files in {ancestor} ({error.strerror or error}); choose a writable "
-            "directory"
-        ) from None
 
 
 #: Options whose value is a path the plugin writes.
