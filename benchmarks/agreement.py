@@ -37,12 +37,12 @@ def rank_main(args: argparse.Namespace) -> int:
     from fastdeploy.distributed import communication
     from fastdeploy.distributed.custom_all_reduce import CustomAllreduce
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+    from simulated import TestRuntime
 
     from fd_cudagraph_plugin import plugin
     from fd_cudagraph_plugin.core import process, runtime, session
     from fd_cudagraph_plugin.core.channel import Agreed
     from fd_cudagraph_plugin.core.messages import Outcome
-    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
     dist.init_parallel_env()
     world, index = dist.get_world_size(), dist.get_rank()
@@ -76,7 +76,7 @@ def rank_main(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         for arm in times:
             process.reset_for_tests(close_links=False).links.update(links)
-            runtime.install_runtime(SimulatedRuntime())
+            runtime.install_runtime(TestRuntime())
             communication._TP_AR = CustomAllreduce(group, initialized=True)
             session.link_for = (
                 real_link_for

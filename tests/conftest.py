@@ -20,6 +20,10 @@ os.environ["MIN_GRAPH_SIZE"] = "0"
 if "FD_LOG_DIR" not in os.environ:
     os.environ["FD_LOG_DIR"] = tempfile.mkdtemp(prefix="fd-stub-log-")
     atexit.register(shutil.rmtree, os.environ["FD_LOG_DIR"], ignore_errors=True)
+# The ranks' Unix sockets go under XDG_RUNTIME_DIR (the launched ranks inherit it): one that goes.
+if "XDG_RUNTIME_DIR" not in os.environ:
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="fd-cudagraph-run-")
+    atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
 
 STUB = Path(__file__).resolve().parent / "fastdeploy_stub"
 if str(STUB) not in sys.path:
@@ -51,10 +55,10 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import (  # noqa: 
     OpcodeExecutorCache,
 )
 from paddle.jit.sot.psdb import in_sot  # noqa: E402
+from simulated import TestRuntime  # noqa: E402
 
 from fd_cudagraph_plugin import plugin  # noqa: E402
 from fd_cudagraph_plugin.core import hooks, observability, process, runtime  # noqa: E402
-from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 HIDDEN = 8
 VOCAB = 32
@@ -121,10 +125,10 @@ def failures():
 
 
 @pytest.fixture
-def sim(monkeypatch) -> SimulatedRuntime:
+def sim(monkeypatch) -> TestRuntime:
     """A fresh simulated runtime, chosen the way an operator would: FD_CUDAGRAPH_RUNTIME."""
     monkeypatch.setenv("FD_CUDAGRAPH_RUNTIME", "simulated")
-    fresh = SimulatedRuntime()
+    fresh = TestRuntime()
     runtime.install_runtime(fresh)
     return fresh
 
@@ -335,6 +339,14 @@ class PeerLink:
             except BadMessage as error:
                 statuses[r] = malformed(r, label, str(error))
         return Agreed(label, Outcome(key=(0, 0), statuses=statuses))
+
+
+def CaptureSessionForOneRank(config, phase: str = "decode"):
+    """A capture session of a TP config that agrees with itself (test_collective has real ranks)."""
+    from fd_cudagraph_plugin.core.channel import LocalLink
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    return CaptureSession(phase, fd_config=config, link=LocalLink())
 
 
 def served_by(backend, step: dict):

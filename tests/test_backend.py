@@ -12,7 +12,14 @@ import sys
 
 import paddle
 import pytest
-from conftest import Buffers, MixingBackbone, capture_speculative, make_config, served_by
+from conftest import (
+    Buffers,
+    CaptureSessionForOneRank,
+    MixingBackbone,
+    capture_speculative,
+    make_config,
+    served_by,
+)
 
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError
@@ -231,14 +238,6 @@ def test_padding_uses_the_size_list_not_fastdeploys_stale_map(sim, caplog):
     out, served = served_by(backend, buffers.step(1))
     assert served == 2 and out.shape[0] == 2
     assert paddle.allclose(out, padded_eager(model, buffers, 2)).item()
-
-
-def CaptureSessionForOneRank(config):
-    """A capture session of a TP config that agrees with itself (test_collective has real ranks)."""
-    from fd_cudagraph_plugin.core.channel import LocalLink
-    from fd_cudagraph_plugin.core.session import CaptureSession
-
-    return CaptureSession("decode", fd_config=config, link=LocalLink())
 
 
 def test_hot_path_takes_keywords_only_and_needs_forward_meta(sim):

@@ -54,13 +54,14 @@ def start(utilization: float, sizes=(8, 4, 2, 1), **graph_args):
 
 def restart(sim):
     """A new process: a fresh worker, runtime and device; the record on disk kept."""
+    from simulated import TestRuntime
+
     from fd_cudagraph_plugin.core import runtime
-    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
     for backend in process.current().backends():
         backend.clear_graph()
     process.reset_for_tests()
-    fresh = _device(SimulatedRuntime())
+    fresh = _device(TestRuntime())
     fresh.first_capture_keeps = sim.first_capture_keeps
     runtime.install_runtime(fresh)
     return fresh
@@ -268,8 +269,10 @@ def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, cap
         ("2", "needs its unit"),
         ("0", "needs its unit"),
         ("0.5", "needs its unit"),
-        ("0.4b", "rounds to 0 bytes"),
-        ("0.0001KiB", "rounds to 0 bytes"),
+        ("0.4b", "below 1 MiB"),
+        ("0.0001KiB", "below 1 MiB"),
+        ("1e-9GiB", "below 1 MiB"),  # one byte: accepted before
+        ("1023KiB", "below 1 MiB"),
     ],
 )
 def test_a_bad_reserve_is_refused_naming_the_setting_and_why(monkeypatch, value, why):
@@ -285,7 +288,7 @@ def test_a_bad_reserve_is_refused_naming_the_setting_and_why(monkeypatch, value,
         ("2GiB", 2 << 30, "2.00 GiB, 2147483648 bytes"),
         ("1.5GB", 1_500_000_000, "1.40 GiB, 1500000000 bytes"),
         ("512 mib", 512 << 20, "512.00 MiB, 536870912 bytes"),
-        ("2B", 2, "2 bytes"),
+        ("1048576B", 1 << 20, "1.00 MiB, 1048576 bytes"),
     ],
 )
 def test_a_reserve_size_is_read_with_its_unit_and_doctor_shows_how(
@@ -451,3 +454,50 @@ def test_a_record_that_cannot_be_looked_up_is_treated_as_missing(device, monkeyp
     backend.check_capture_successful()
     source = backend.stats()["memory"]["kv_reserve_source"]
     assert "the record could not be looked up (no device name)" in source
+
+
+@pytest.mark.parametrize(
+    "recorded", [1024 * MiB, 900 * MiB], ids=["the device", "900 MiB of 1 GiB"]
+)
+def test_a_recorded_figure_the_kv_budget_cannot_give_is_dropped_and_the_start_probes(
+    device, monkeypatch, tmp_path, caplog, recorded
+):
+    # Before: it passed the record's checks and left FastDeploy a negative KV block count
+    # ("Not enough memory for the KV cache: -152 blocks"); the start never reached capture, so
+    # the record was never rewritten, and every later start failed the same way.
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    start(0.95)
+    device = restart(device)
+    path = _record_entry(tmp_path, bytes=recorded, graph_bytes=GRAPH)
+    with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
+        backend, blocks = start(0.95)
+    backend.check_capture_successful()
+    assert blocks > 0
+    source = backend.stats()["memory"]["kv_reserve_source"]
+    assert f"the record {path} holds" in source and "estimated from a probe" in source
+    said = [r.getMessage() for r in caplog.records]
+    (warning,) = [m for m in said if m.startswith("FD_CUDAGRAPH_KV_RESERVE=auto: the record")]
+    assert path in warning and "the KV budget leaves now; dropped" in warning
+
+
+def test_a_start_that_took_a_recorded_figure_and_never_captured_marks_it_not_to_be_taken_again(
+    device, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    start(0.95)  # measures and records
+    device = restart(device)
+    config = make_config(8, cudagraph_capture_sizes=[8, 4, 2, 1])
+    config.cache_config.gpu_memory_utilization = 0.95
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    initialize_kv_cache(GpuWorker(config, runner))  # takes the record's figure ...
+    taken = model.graph_opt_backend.cudagraph_piecewise_backend  # ... and the start dies here
+    assert taken.captures == 0
+    device = restart(device)
+    backend, _ = start(0.95)
+    source = backend.stats()["memory"]["kv_reserve_source"]
+    assert "a start took this figure and never finished capturing with it" in source
+    assert "estimated from a probe" in source
+    restart(device)
+    backend, _ = start(0.95)  # the probed start's capture wrote the record anew: taken again
+    assert "measured at the start of" in backend.stats()["memory"]["kv_reserve_source"]

@@ -33,9 +33,15 @@ def assert_draft_matches_eager(runner, draft):
 
 
 @pytest.mark.parametrize("fd_version", ["2.6", "develop"], indirect=True)
-def test_draft_default_flag_per_release(fd_version):
-    config = make_config(4, speculative=MTP)
-    assert config.graph_opt_config.draft_model_use_cudagraph is (fd_version == "develop")
+def test_the_draft_is_graphed_by_default_exactly_where_its_release_defaults_it(
+    fd_version, plugin_registered
+):
+    runner, draft = serve_with_draft()  # draft_model_use_cudagraph left to the release
+    backend = draft.graph_opt_backend.cudagraph_piecewise_backend
+    graphed = fd_version == "develop"
+    assert (backend is not None and backend.captures > 0) is graphed
+    runner.execute_step(6)
+    assert_draft_matches_eager(runner, draft)
 
 
 def test_draft_captures_substep_zero_and_serves_every_substep_from_graphs(plugin_registered):

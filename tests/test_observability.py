@@ -71,20 +71,24 @@ def test_module_level_aggregate_sums_every_backend(sim):
     assert first.stats()["replays"] == {1: 1, 2: 1, 4: 2}
 
 
-def test_summary_table_is_logged_on_clear_graph(sim, caplog):
+def test_the_summary_on_clear_lists_the_sizes_that_served_and_sums_up_the_idle_ones(sim, caplog):
+    from conftest import CaptureSessionForOneRank
+
     backend, _ = backend_for()
     buffers = Buffers()
-    capture_all(backend, buffers)
-    backend(**buffers.step(3))
+    with CaptureSessionForOneRank(backend.fd_config):  # as capture_model(): not served traffic
+        capture_all(backend, buffers)
+    for _ in range(2):
+        backend(**buffers.step(3))  # served by size 4, one padded token each
     with caplog.at_level(logging.INFO, logger="fd_cudagraph_plugin"):
         backend.clear_graph()
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "CUDA graph summary (clear_graph)" in text
-    assert "  size   replays    padded  capture ms  graph memory" in text
-    assert "       128 B" in text  # the size-4 graph's outputs, in a unit that shows them
-    assert f"backend {id(backend):#x} ({backend.role}): 3 captures, 4 replays, 1 padded" in text
-    assert text.count("CUDA graph summary") == 1
-    assert "     4         2         1" in text
+    assert text.count("CUDA graph summary (clear_graph)") == 1
+    assert f"backend {id(backend):#x} ({backend.role}): 3 captures, 2 replays, 2 padded" in text
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] == ["4"]]
+    assert [row[:3] for row in rows] == [["4", "2", "2"]]  # size, replays, padded tokens
+    assert rows[0][-2:] == ["128", "B"]  # its graph's outputs, in a unit that shows them
+    assert "2 captured sizes served no step (2, 1)" in text
 
 
 def test_periodic_stats_line(sim, monkeypatch, caplog):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import paddle
 import pytest
+from simulated import TestRuntime
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.runtime import make_runtime
-from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
 
 def _captured_double(runtime, pool, source):
@@ -19,7 +19,7 @@ def _captured_double(runtime, pool, source):
 
 
 def test_replay_reads_the_captured_input_memory_updated_in_place():
-    runtime = SimulatedRuntime()
+    runtime = TestRuntime()
     pool = runtime.new_pool()
     buffer = paddle.ones([4])
     graph, out = _captured_double(runtime, pool, buffer)
@@ -29,7 +29,7 @@ def test_replay_reads_the_captured_input_memory_updated_in_place():
 
 
 def test_replay_writes_outputs_in_place_at_the_same_address():
-    runtime = SimulatedRuntime()
+    runtime = TestRuntime()
     buffer = paddle.ones([4])
     graph, out = _captured_double(runtime, runtime.new_pool(), buffer)
     pointer = out.data_ptr()
@@ -39,7 +39,7 @@ def test_replay_writes_outputs_in_place_at_the_same_address():
 
 
 def test_pool_bytes_are_charged_at_capture_and_returned_on_release():
-    runtime = SimulatedRuntime()
+    runtime = TestRuntime()
     pool = runtime.new_pool()
     graph, _ = _captured_double(runtime, pool, paddle.ones([16]))
     assert runtime.pool_bytes(pool) == 16 * 4 and runtime.live_graphs == 1
@@ -51,7 +51,7 @@ def test_pool_bytes_are_charged_at_capture_and_returned_on_release():
 
 
 def test_injected_capture_failure_leaves_nothing_alive():
-    runtime = SimulatedRuntime()
+    runtime = TestRuntime()
     runtime.fail_next_capture(MemoryError("out of memory"))
     with pytest.raises(MemoryError):
         _captured_double(runtime, runtime.new_pool(), paddle.ones([4]))
@@ -59,7 +59,7 @@ def test_injected_capture_failure_leaves_nothing_alive():
 
 
 def test_after_a_failed_capture_no_capture_works_as_on_paddle():
-    runtime = SimulatedRuntime()
+    runtime = TestRuntime()
     pool = runtime.new_pool()
     graph, _ = _captured_double(runtime, pool, paddle.ones([4]))
     runtime.fail_next_capture(RuntimeError("operation not permitted when stream is capturing"))

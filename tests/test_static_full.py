@@ -11,12 +11,8 @@ import paddle
 import pytest
 from conftest import Buffers, DecoratedBackbone, TinyBackbone, make_config
 from fastdeploy.model_executor.graph_optimization.decorator import support_graph_optimization
-from fastdeploy.model_executor.graph_optimization.graph_optimization_backend import (
-    apply_to_static_optimization,
-)
-from fastdeploy.model_executor.graph_optimization.utils import profile_run_guard, sot_warmup_guard
+from fastdeploy.model_executor.graph_optimization.utils import sot_warmup_guard
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
-from paddle.jit.dy2static.utils import Backend
 
 
 @support_graph_optimization
@@ -30,28 +26,6 @@ class BreakingBackbone(TinyBackbone):
 
 
 STATIC_FULL = {"graph_opt_level": 1, "full_cuda_graph": True}
-
-
-def test_stand_in_raises_breakgraph_in_warmup_only():
-    model = BreakingBackbone(fd_config=make_config(4))
-    static = apply_to_static_optimization(BreakingBackbone.forward, Backend.PHI).__get__(model)
-    ids = paddle.arange(4, dtype="int64")
-    with profile_run_guard(True):
-        static(ids_remove_padding=ids, forward_meta=None)  # plain dygraph
-    message = r"^Model has breakgraph, please set env SOT_LOG_LEVEL=3"
-    with pytest.raises(RuntimeError, match=message), sot_warmup_guard(True):
-        static(ids_remove_padding=ids, forward_meta=None)
-    with pytest.raises(AssertionError):
-        static(ids_remove_padding=ids, forward_meta=None)  # no cached code
-
-
-def test_native_backend_serves_a_breaking_model_in_static_full_mode():
-    config = make_config(4, **STATIC_FULL)
-    model = BreakingBackbone(fd_config=config)
-    runner = GPUModelRunner(config, model)
-    runner.profile_run()
-    runner.capture_model()
-    assert runner.execute_step(3).shape[0] == 3
 
 
 @pytest.mark.parametrize(

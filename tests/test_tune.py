@@ -614,7 +614,9 @@ def test_the_traffic_histogram_counts_each_step_under_the_size_it_pads_to():
     assert result.capture_sizes == [9, 3]  # 1 and 3 pad to 3, 4 and 9 to 9
     assert result.traffic == [(3, 7), (9, 2)]
     text = format_result(result)
-    assert "steps per tuned size" in text and "     3          7  77.8% " in text
+    assert "steps per tuned size" in text
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["3"], ["9"])]
+    assert [row[:3] for row in rows] == [["3", "7", "77.8%"], ["9", "2", "22.2%"]]
 
 
 def test_tune_json_says_its_format(tmp_path, capsys):

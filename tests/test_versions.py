@@ -6,42 +6,65 @@ import logging
 
 import pytest
 from conftest import FlakyBackboneForRunner, make_config
-from fastdeploy import _stub_version
 from fastdeploy.model_executor import forward_meta
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 from fd_cudagraph_plugin import plugin
 
 
-def test_forward_meta_fields_per_release(fd_version):
+def test_the_hot_path_reads_every_releases_forward_meta_as_plain_attributes(fd_version, sim):
+    """2.4 has neither exist_prefill nor real_bsz, 2.5 no real_bsz: register() gives the class
+    the values that mean the same there, and takes them back."""
+    lacking = {"2.4": {"exist_prefill", "real_bsz"}, "2.5": {"real_bsz"}}.get(fd_version, set())
     meta = forward_meta.ForwardMeta(ids_remove_padding=None)
-    assert hasattr(meta, "exist_prefill") is _stub_version.at_least("2.5")
-    if _stub_version.at_least("2.6"):
-        assert meta.real_bsz == 0 and meta.not_a_field is None
-    else:
-        with pytest.raises(AttributeError):
-            meta.real_bsz  # noqa: B018
+    assert {name for name in ("exist_prefill", "real_bsz") if not hasattr(meta, name)} == lacking
+    plugin.register()
+    meta = forward_meta.ForwardMeta(ids_remove_padding=None)
+    assert meta.exist_prefill is False and meta.real_bsz == 0
+    plugin.reset_for_tests()
+    meta = forward_meta.ForwardMeta(ids_remove_padding=None)
+    assert {name for name in ("exist_prefill", "real_bsz") if not hasattr(meta, name)} == lacking
 
 
-@pytest.mark.parametrize("fd_version", ["2.5", "2.6"], indirect=True)
-def test_sequence_parallel_moe_is_off_before_filtering_in_the_mixed_role(fd_version):
+@pytest.mark.parametrize(
+    ("fd_version", "captured"),
+    # 2.5 on turns sequence-parallel MoE off in the mixed role before filtering (nothing is
+    # filtered); 2.4 filters first: only sizes divisible by the TP size stay.
+    [("2.4", [16, 8, 4]), ("2.5", [16, 8, 4, 2, 1]), ("2.6", [16, 8, 4, 2, 1])],
+    indirect=["fd_version"],
+)
+def test_the_backend_captures_the_sizes_fastdeploys_filter_left(
+    fd_version, plugin_registered, captured
+):
+    from conftest import CaptureSessionForOneRank, DecoratedMixing
+
     config = make_config(16, tp=4, sequence_parallel_moe=True)
-    assert config.graph_opt_config.cudagraph_capture_sizes == [16, 8, 4, 2, 1]
-    assert not config.parallel_config.use_sequence_parallel_moe
-
-
-@pytest.mark.parametrize("fd_version", ["2.4"], indirect=True)
-def test_release_2_4_filters_before_turning_sequence_parallel_moe_off(fd_version):
-    config = make_config(16, tp=4, sequence_parallel_moe=True)
-    assert config.graph_opt_config.cudagraph_capture_sizes == [16, 8, 4]
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    with CaptureSessionForOneRank(config):
+        runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    assert [r.size for r in backend.capture_report.records] == captured
+    backend.check_capture_successful()
 
 
 @pytest.mark.parametrize("fd_version", ["2.5", "develop"], indirect=True)
-def test_max_capture_shape_prefill_zero_leaves_no_prefill_graph(fd_version):
-    config = make_config(4, max_capture_shape_prefill=0)
-    assert config.graph_opt_config.cudagraph_capture_sizes_prefill == [0]
-    given = make_config(4, max_capture_shape_prefill=0, cudagraph_capture_sizes=[4, 2])
-    assert given.graph_opt_config.cudagraph_capture_sizes_prefill == []
+def test_max_capture_shape_prefill_zero_captures_no_prefill_graph_and_requires_none(
+    fd_version, plugin_registered
+):
+    from conftest import DecoratedMixing
+
+    config = make_config(4, max_capture_shape_prefill=0, graph_opt_level=1, full_cuda_graph=False)
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()
+    runner.capture_model()
+    runner.capture_model_prefill_and_mixed()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    assert backend.mode.prefill_sizes == () and backend.captures == 3  # decode 4, 2, 1
+    backend.check_capture_successful()  # no prefill graph is required
+    runner.execute_step(3, exist_prefill=True)
+    assert backend.stats()["prefill_replays"] == {}
 
 
 def test_plugin_lines_reach_the_console_once_though_the_legacy_logger_propagates(sim):

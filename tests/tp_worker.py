@@ -42,6 +42,7 @@ class Rank:
     world: int
     group: Any  # the TP group, as FastDeploy's worker builds it with new_group
     faulty: bool  # this rank is the one the scenario's fault is injected on
+    out: str  # the launch's folder, where a scenario keeps its files (the test removes it)
 
 
 SCENARIOS: dict[str, Callable[[Rank], dict[str, Any]]] = {}
@@ -353,7 +354,7 @@ def kv_record_missing(rank: Rank) -> dict[str, Any]:
         runner.capture_model()
         return model.graph_opt_backend.cudagraph_piecewise_backend
 
-    log_dir = tempfile.mkdtemp(prefix=f"fdcg-kv-rank{rank.index}-")
+    log_dir = tempfile.mkdtemp(prefix=f"kv-rank{rank.index}-", dir=rank.out)
     with (
         _env("FD_CUDAGRAPH_KV_RESERVE", "auto"),
         _env("FD_LOG_DIR", log_dir),
@@ -437,15 +438,15 @@ def _fresh_worker(rank: Rank, name: str) -> None:
     from fastdeploy.distributed import communication
     from fastdeploy.distributed.custom_all_reduce import CustomAllreduce
     from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
+    from simulated import TestRuntime
 
     from fd_cudagraph_plugin.core import process, runtime
-    from fd_cudagraph_plugin.core.runtime.simulated import SimulatedRuntime
 
     gc.collect()
     state = process.reset_for_tests()
     if hasattr(state, "link_prefix"):
         state.link_prefix = f"fd-cudagraph/test/{name}"
-    runtime.install_runtime(SimulatedRuntime())
+    runtime.install_runtime(TestRuntime())
     communication._TP_AR = CustomAllreduce(rank.group, initialized=True)
     OpcodeExecutorCache().clear()  # one model per worker, as FastDeploy's SOT check expects
 
@@ -490,7 +491,7 @@ def main() -> int:
     plugin.register()
     for entry in args.scenario:
         name, _, faulty = entry.partition("@")
-        rank = Rank(index, world, group, faulty != "" and int(faulty) == index)
+        rank = Rank(index, world, group, faulty != "" and int(faulty) == index, str(args.out))
         _fresh_worker(rank, entry.replace("@", "-on-"))
         facts = _run(name, rank)
         (args.out / f"{entry}.rank{index}.json").write_text(json.dumps(facts))

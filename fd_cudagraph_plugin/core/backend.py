@@ -65,7 +65,8 @@ class CudaGraphBackend:
                 "CudaGraphBackend needs runnable= (and dy_runnable= on FastDeploy 2.5+)."
             )
         self.fd_config = fd_config
-        worker = process.current()
+        #: The worker process this backend serves in: its options, its other backends.
+        self._worker = worker = process.current()
         # FastDeploy 2.4 hands over the (possibly static) runnable alone.
         self.settings = settings = Settings.from_fd_config(
             fd_config, worker.options, fastdeploy_2_4=dy_runnable is None
@@ -157,7 +158,7 @@ class CudaGraphBackend:
     def _capture_and_run(self, entry: GraphEntry, step: Step, tokens: int, kwargs: dict) -> Any:
         session = self._session
         if session is None:
-            if process.current().sessions_ended or self.settings.tp_size > 1:
+            if self._worker.sessions_ended or self.settings.tp_size > 1:
                 # A capture on this rank alone, outside FastDeploy's capture loop, would hang
                 # tensor-parallel peers; after capture_model() every new size runs eagerly.
                 return self._eager_now("late_capture", step, tokens, kwargs)
@@ -269,7 +270,7 @@ class CudaGraphBackend:
         addresses. They are released here too. Clearing twice, or before any capture, is
         harmless.
         """
-        others = [b for b in process.current().backends() if b is not self]
+        others = [b for b in self._worker.backends() if b is not self]
         released = self.release_graphs()
         for other in others:
             count = other.release_graphs()

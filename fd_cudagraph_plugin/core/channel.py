@@ -531,6 +531,7 @@ class Server(threading.Thread):
         except BaseException:
             self._wake.close(linger=0)
             self._close_all()
+            self.context.term()
             raise
         #: Routing identity -> rank, for welcomed ranks; and each rank's descriptor.
         self.ranks: dict[bytes, int] = {}
@@ -559,9 +560,11 @@ class Server(threading.Thread):
             self._close_all()
 
     def stop(self) -> None:
-        """End the loop and close every socket (tests, and rank 0's link when it closes). The
-        waking socket is this thread's: ZeroMQ sockets are never shared between threads, and the
-        loop's context ends once it is closed."""
+        """End the loop and close the server's sockets (tests, and rank 0's link when it
+        closes). The waking socket is the stopping thread's: ZeroMQ sockets are never shared
+        between threads. The context is ended by rank 0's link, its last user, never in the
+        loop's thread: that link must not be cut off (ETERM) before it has read the notice of a
+        server that failed."""
         self._stopping = True
         with self._wake_lock:
             if not self._wake.closed:
@@ -759,8 +762,6 @@ class Server(threading.Thread):
             if sock is not None:
                 with contextlib.suppress(Exception):
                     sock.close(linger=0)
-        with contextlib.suppress(Exception):
-            self.context.term()
         if self._socket_file is not None:
             path, inode = self._socket_file
             with contextlib.suppress(OSError):
@@ -876,10 +877,11 @@ class ZmqLink:
             with contextlib.suppress(Exception):
                 sock.close(linger=0)
         if self.server is not None:
-            self.server.stop()  # it ends the context it shares with this link
-        else:
-            with contextlib.suppress(Exception):
-                self._context.term()
+            self.server.stop()  # its sockets are in this link's context: closed first
+            if self.server.is_alive():
+                return  # a loop that did not end holds its sockets: leave the context be
+        with contextlib.suppress(Exception):
+            self._context.term()
 
     # -- points
 

@@ -31,7 +31,7 @@ PROTOCOL = 3
 MAX_RANKS = 1024
 #: The largest post: the plan point's status. 1.3 KiB for a target and an MTP draft with 36 sizes;
 #: 8.5 KiB at FastDeploy's limits (512 sizes in both phases of two backends, every size
-#: unwarmed). Lists over 64 entries travel as a digest (``fingerprint.compact``);
+#: unwarmed). Lists over 64 entries travel as a digest (``session.backends_plan``);
 #: ``tests/test_channel.py`` measures both.
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
@@ -313,7 +313,7 @@ _SCALAR = (type(None), bool, int, float, str)
 
 
 class FlatPlan(Kind):
-    """A plan as ranks compare it: names to scalars or lists of scalars (``fingerprint.py``)."""
+    """A plan as ranks compare it: names to scalars or lists of scalars (``session.plan_of``)."""
 
     def check(self, value: Any) -> dict[str, Any]:
         _check_json(value)

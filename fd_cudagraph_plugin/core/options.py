@@ -41,11 +41,17 @@ MAX_SAMPLING_PERIOD = 1_000_000
 MIN_INTERVAL_SECONDS = 1.0
 
 
+_DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?")
+
+
+def _decimal(text: str, fallback: float) -> float:
+    """A number as an operator writes one: ASCII digits, a decimal point. ``float()`` also reads
+    Arabic-Indic digits, ``1_000``, ``1e3`` and ``inf``, which nobody means here."""
+    return float(text) if _DECIMAL.fullmatch(text) else fallback
+
+
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
+    value = _decimal(text, -1.0)
     if not (value == 0 or MIN_INTERVAL_SECONDS <= value <= MAX_INTERVAL_SECONDS):
         raise ValueError(
             f"must be 0 (off) or a number of seconds from {MIN_INTERVAL_SECONDS:.0f} to "
@@ -55,10 +61,7 @@ def _seconds(text: str) -> float:
 
 
 def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
+    value = _decimal(text, 0.0)
     if not 1 <= value <= MAX_INTERVAL_SECONDS:
         raise ValueError(
             f"must be a number of seconds from 1 to {MAX_INTERVAL_SECONDS:.0f} (a day)"
@@ -79,6 +82,8 @@ _UNITS = {
 }
 #: Largest reserve that can be asked for: 1 TiB, more than any GPU has.
 MAX_RESERVE_BYTES = 1 << 40
+#: Smallest: less than a KV-cache block reserves nothing (a typo such as 1e-9GiB, one byte).
+MIN_RESERVE_BYTES = 1 << 20
 _SIZE_FORMS = "off, auto, or a size with its unit such as 2GiB, 512MiB, 1.5GB or 1TiB"
 
 
@@ -99,10 +104,10 @@ def _reserve(text: str) -> object:
     value = float(number) * _UNITS[unit]
     if value > MAX_RESERVE_BYTES:
         raise ValueError(f"must be {_SIZE_FORMS}, at most 1 TiB")
-    if int(value) < 1:
+    if value < MIN_RESERVE_BYTES:
         raise ValueError(
-            "rounds to 0 bytes, which reserves nothing: write off for no reserve, or a size such "
-            "as 2GiB"
+            f"{text} is below 1 MiB, less than one KV-cache block: write off for no reserve, or "
+            "a size such as 512MiB"
         )
     return int(value)
 
@@ -121,7 +126,7 @@ def describe(env: str, value: object) -> str:
     return str(value)
 
 
-#: Placeholders of output paths, expanded per process by ``stats.output_path``.
+#: Placeholders of output paths, expanded per process by ``outputs.output_path``.
 PATH_PLACEHOLDERS = ("{rank}", "{dp_rank}")
 
 
@@ -130,7 +135,7 @@ def _path(text: str) -> str:
 
     Checked as rank 0's path: the directory may be missing (it is created at the first write) as
     long as its nearest existing ancestor is a directory ``os.access`` lets us create files in.
-    No file is created to find out; ``probe_writable`` does, for ``fd-cudagraph doctor``.
+    No file is created to find out; ``fd-cudagraph doctor`` creates one where asked.
     Braces are for the placeholders only: ``{foo}`` or a lone ``{rank`` would be written
     literally, never what was meant (a misspelt placeholder), so any other brace is refused.
     """
@@ -154,10 +159,18 @@ def _path(text: str) -> str:
     probe = os.path.abspath(probe)
     if os.path.isdir(probe):
         raise ValueError(f"{probe} is a directory; name a file in it, e.g. {probe}/out-{{rank}}")
+    real = os.path.realpath(probe)
+    kernel = [r for r in _KERNEL_FILESYSTEMS if real == r or real.startswith(r + os.sep)]
+    if kernel:
+        raise ValueError(
+            f"{probe} is under {kernel[0]}, the kernel's own files, not a place for a report; "
+            "choose a path on a disk"
+        )
     if os.path.exists(probe):
         # Never opened here (a FIFO would block). A FIFO or device is refused at each write,
         # counted and logged once (outputs.py): the worker starts and serves.
-        if not os.access(probe, os.W_OK):
+        mode = os.stat(probe).st_mode
+        if not os.access(probe, os.W_OK) or not mode & 0o222:  # root may write read-only files
             raise ValueError(f"{probe} exists and is not writable; choose a writable path")
         return path
     ancestor = os.path.dirname(probe)
@@ -173,30 +186,17 @@ def _path(text: str) -> str:
     return path
 
 
+#: Where the kernel's own files live: writing a report there is never meant (as root it can write
+#: a sysctl).
+_KERNEL_FILESYSTEMS = ("/proc", "/sys", "/dev")
+
+
 def rank_zero_path(template: str) -> str:
     """An output path as rank 0 of replica 0 writes it: the placeholders as 0, ``~`` expanded."""
     path = os.path.expanduser(template)
     for placeholder in PATH_PLACEHOLDERS:
         path = path.replace(placeholder, "0")
     return path
-
-
-def probe_writable(path: str) -> None:
-    """Create and remove a file where ``path`` would be written: what ``os.access`` cannot tell
-    (root on ``/proc``). For ``fd-cudagraph doctor``; a worker's start creates nothing."""
-    import tempfile
-
-    ancestor = os.path.dirname(os.path.abspath(rank_zero_path(path)))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
-    except OSError as error:
-        raise ValueError(
-            f"cannot create files in {ancestor} ({error.strerror or error}); choose a writable "
-            "directory"
-        ) from None
 
 
 #: Options whose value is a path the plugin writes.
@@ -248,7 +248,9 @@ def _sampling(text: str) -> int:
     if text == "always":
         return 1
     prefix, _, count = text.partition(":")
-    if prefix != "sampled" or not count.isdigit() or not 1 <= int(count) <= MAX_SAMPLING_PERIOD:
+    if prefix != "sampled" or not _DECIMAL.fullmatch(count) or "." in count:
+        raise ValueError(f"must be off, always, or sampled:N with 1 <= N <= {MAX_SAMPLING_PERIOD}")
+    if not 1 <= int(count) <= MAX_SAMPLING_PERIOD:
         raise ValueError(f"must be off, always, or sampled:N with 1 <= N <= {MAX_SAMPLING_PERIOD}")
     return int(count)
 

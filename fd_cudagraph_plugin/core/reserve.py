@@ -72,6 +72,7 @@ class KvReserve:
             ):
                 available = profile()
             reserve = found[0] if found else _auto(0, "the profile run built no backend")
+            reserve = self._checked(reserve, available, runner)
         else:
             available = profile()
             size = int(self.options.kv_reserve)
@@ -87,6 +88,49 @@ class KvReserve:
         )
         return available - reserve.nbytes
 
+    def _checked(self, reserve: Reserve, available: float, runner: Any) -> Reserve:
+        """A recorded figure that would leave FastDeploy's KV cache nothing is not taken: FastDeploy
+        would stop the start ("not enough memory for the KV cache") before any capture rewrote
+        the record, and every later start with it. A figure taken is marked in the record until
+        a capture session confirms it, so that a start that fails after taking it (whatever the
+        cause) is never followed by another that takes it again."""
+        if not reserve.recorded_keys:
+            return reserve
+        members = self._worker.backends()
+        record = Record.of(members[0].settings) if members else None
+        if record is None:
+            return reserve
+        try:
+            if reserve.nbytes >= available:
+                record.drop(reserve.recorded_keys)
+                logger.warning(
+                    "FD_CUDAGRAPH_KV_RESERVE=auto: the record %s holds %s for this plan, no less "
+                    "than the %s FastDeploy's memory profile leaves the KV cache; it is dropped "
+                    "and nothing is reserved at this start (the next start measures again).",
+                    record.path,
+                    human_bytes(reserve.nbytes),
+                    human_bytes(max(int(available), 0)),
+                )
+                return _auto(0, f"the record {record.path} held more than the KV budget: dropped")
+            record.mark_taken(reserve.recorded_keys)
+        except (OSError, ValueError) as error:
+            self._worker.outputs.failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, error)
+        return reserve
+
+    def _starving(self, record: Record, key: str, nbytes: int, budget: int) -> str:
+        """A recorded figure no smaller than the KV budget: dropped (a probe measures again, at
+        this start where the mode allows one, else at the next), said once; why, for the log."""
+        why = (
+            f"the record {record.path} holds {human_bytes(nbytes)} for this plan, no less than "
+            f"the {human_bytes(max(budget, 0))} the KV budget leaves now; dropped"
+        )
+        logger.warning("FD_CUDAGRAPH_KV_RESERVE=auto: %s.", why)
+        try:
+            record.drop((key,))
+        except (OSError, ValueError) as error:
+            self._worker.outputs.failed("FD_CUDAGRAPH_KV_RESERVE record", record.path, error)
+        return why
+
     def _auto(self, runner: Any) -> Reserve:
         """``auto`` inside the profile run (the backends exist): the record, else a probe."""
         members = self._worker.backends()
@@ -99,12 +143,17 @@ class KvReserve:
         record = Record.of(settings)
         device = runtime.device_memory()
         total, why, keys = 0, [], []
+        # What FastDeploy's profile will leave the KV cache, as far as it can be told now (the
+        # profile run's own cache still in use: a little less than its answer).
+        budget = _kv_budget_now(device, settings.gpu_memory_utilization)
         for phase in phases:
             try:
                 key = record_key(members, phase)
                 nbytes, source = record.lookup(key, device[1] if device else None)
             except Exception as error:  # local to this rank: it must still reach the point below
                 nbytes, source = None, f"the record could not be looked up ({error})"
+            if nbytes is not None and budget is not None and total + nbytes >= budget:
+                nbytes, source = None, self._starving(record, key, total + nbytes, budget)
             if nbytes is None:
                 why.append(source)
             else:
@@ -245,6 +294,15 @@ def _auto(nbytes: int, source: str, keys: tuple[str, ...] = ()) -> Reserve:
     return Reserve(Choice.AUTO, nbytes, source, keys)
 
 
+def _kv_budget_now(device: tuple[int, int] | None, utilization: float | None) -> int | None:
+    """``total * gpu_memory_utilization - used``: FastDeploy's KV budget as of now; None where
+    the device or the share is unknown."""
+    if device is None or utilization is None:
+        return None
+    free, total = device
+    return int(total * utilization - (total - free))
+
+
 def _estimate(report: CaptureReport, sizes: list[int], picks: list[int], why: str) -> Reserve:
     """The probe's estimate of this plan's graph memory: the largest graph plus what the bigger
     of the two others took in the same pool for each further size, plus what the probe's
@@ -358,6 +416,19 @@ class Record:
             self.path, json.dumps({"format": RECORD_FORMAT, "plans": kept}, indent=1)
         )
 
+    def mark_taken(self, keys: tuple[str, ...]) -> None:
+        """Mark ``keys``' figures as taken by this start, until its capture writes them anew
+        (``store``): a start that never gets there leaves the mark for the next to see."""
+        plans, problem = self.load()
+        if problem is not None:
+            return
+        for key in keys:
+            if isinstance(plans.get(key), dict):
+                plans[key]["taken_unconfirmed"] = round(time.time(), 3)
+        outputs.replace_file(
+            self.path, json.dumps({"format": RECORD_FORMAT, "plans": plans}, indent=1)
+        )
+
     def drop(self, keys: tuple[str, ...]) -> None:
         plans, problem = self.load()
         if problem is not None or not set(keys) & set(plans):
@@ -382,4 +453,9 @@ def _bad_entry(entry: dict[str, Any], device_total: int | None) -> str:
         return "time must be a number"
     if not 0 <= when <= time.time() + 86400:
         return f"time {when} is not a past moment"
+    if "taken_unconfirmed" in entry:
+        return (
+            "a start took this figure and never finished capturing with it, so it is not taken "
+            "again"
+        )
     return ""

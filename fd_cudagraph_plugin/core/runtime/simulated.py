@@ -9,19 +9,17 @@ What it reproduces of a real CUDA graph, because the backend's correctness depen
   output objects, so callers holding an output see it change on the next replay of that graph.
 * Memory: each capture charges its output bytes to its pool (a private pool per graph when none
   is given); a pool's bytes return only when its last graph is released, and releasing a pool
-  that still holds graphs is an error. Tests read ``live_graphs``, ``pool_bytes`` and
-  ``live_pools`` to prove nothing leaks. Scratch memory is not modelled: simulated figures count
-  output buffers only, unless a test sets ``graph_overhead`` (per graph) or ``first_capture_keeps``
-  (what the first capture of a process takes outside every pool and keeps: on a GPU, the capture
-  stream's library workspaces and the allocator's blocks cached from the warm-ups, which the
-  allocator's reserved counter shows and no graph pool holds).
-
+  that still holds graphs is an error. Scratch memory is not modelled: the figures count output
+  buffers only (``graph_bytes`` is where a subclass adds more), on a device of 16 GiB.
 * A failed capture leaves it unable to capture again, as Paddle is: ``cudaStreamEndCapture`` on an
   invalidated capture throws inside ``EndSegmentCapture`` before the graph is moved out, so
   ``IsCapturing()`` stays true and every later ``capture_begin`` fails with "CUDA Graph can only
   captured one by one". Replays of graphs captured earlier still work.
 
-It also lets tests inject a failure into the next capture, as an out-of-memory error would.
+What tests inject or watch (a failing capture, memory outside the pools, whether a capture or a
+replay runs now) is a subclass of theirs (``tests/simulated.py``), through the hooks
+``_run_captured``, ``_run_replayed``, ``graph_bytes``, ``kept_by_capture`` and
+``used_outside_pools``.
 """
 
 from __future__ import annotations
@@ -46,16 +44,7 @@ def _nbytes(tensor: paddle.Tensor) -> int:
 
 
 class SimulatedGraph:
-    __slots__ = (
-        "__weakref__",
-        "_bytes",
-        "_fn",
-        "_outputs",
-        "_pool",
-        "_runtime",
-        "replays",
-        "graph_id",
-    )
+    __slots__ = ("__weakref__", "_bytes", "_fn", "_outputs", "_pool", "_runtime", "graph_id")
 
     def __init__(self, runtime: SimulatedRuntime, fn, outputs, pool, nbytes: int, graph_id) -> None:
         self.graph_id = graph_id
@@ -64,7 +53,6 @@ class SimulatedGraph:
         self._outputs = outputs
         self._pool = pool
         self._bytes = nbytes
-        self.replays = 0
 
     @property
     def released(self) -> bool:
@@ -73,16 +61,9 @@ class SimulatedGraph:
     def replay(self) -> None:
         if self._fn is None:
             raise RuntimeError("replay of a released graph")
-        self._runtime.replaying = True
-        self._runtime.in_flight = self.graph_id
-        try:
-            fresh = output_tensors(self._fn())
-        finally:
-            self._runtime.replaying = False
-            self._runtime.in_flight = None
+        fresh = output_tensors(self._runtime._run_replayed(self._fn, self.graph_id))
         for target, value in zip(self._outputs, fresh, strict=True):
             paddle.assign(value, output=target)
-        self.replays += 1
 
     def release(self) -> None:
         if self._fn is None:
@@ -95,51 +76,23 @@ class SimulatedGraph:
 class SimulatedRuntime:
     name = "simulated"
     real_graphs = False
+    #: The device the memory figures are of.
+    device_total = 16 << 30
 
     def __init__(self) -> None:
-        self._pool_ids = itertools.count(1)
+        self._ids = itertools.count(1)
         self._pool_bytes: dict[object, int] = {}
-        self._failures: list[BaseException] = []
-        self.live_graphs = 0
-        self.captures = 0
-        self.capturing = False
-        #: True while a replay re-executes captured work: lets a test model behave like an op
-        #: whose captured form differs from its eager one (a host value frozen at capture).
-        self.replaying = False
-        self.empty_cache_calls = 0
         #: Set by a failed capture: no capture works in this process any more (see above).
         self.stuck = False
         self.warmed = False
-        #: A device for the memory figures: its size, and what is in use outside graph pools
-        #: (weights, the KV cache: ``allocate``/``free``). ``device_memory()`` is the driver's view.
-        self.device_total = 16 << 30
-        self.other_used = 0
-        #: Bytes each graph takes beyond its outputs (a real graph's scratch memory): 0 unless a
-        #: test wants graphs that cost more than their outputs.
-        self.graph_overhead = 0
-        #: Bytes the first capture of this process takes outside every graph pool and keeps
-        #: (see above): 0 unless a test sets it.
-        self.first_capture_keeps = 0
-        self._kept = 0
-        #: The id of the graph being captured or replayed, else None: lets a stand-in custom
-        #: all-reduce tell which graph a captured all-reduce belongs to.
-        self.in_flight: int | None = None
-
-    def fail_next_capture(self, error: BaseException) -> None:
-        """Make the next capture raise ``error`` after the captured work has run."""
-        self._failures.append(error)
 
     def mark_warm(self) -> None:
         self.warmed = True
 
     def new_pool(self) -> object:
-        pool = ("simulated-pool", next(self._pool_ids))
+        pool = ("simulated-pool", next(self._ids))
         self._pool_bytes[pool] = 0
         return pool
-
-    @property
-    def live_pools(self) -> int:
-        return len(self._pool_bytes)
 
     def release_pool(self, pool: object) -> None:
         held = self._pool_bytes.pop(pool, 0)
@@ -155,17 +108,13 @@ class SimulatedRuntime:
                 "(PreconditionNotMet) CUDA Graph can only captured one by one. (simulated: a "
                 "previous capture failed and its capture state never ended)"
             )
-        self.capturing = True
-        graph_id = self.in_flight = next(self._pool_ids)
+        graph_id = next(self._ids)
         try:
-            outputs = fn()
-            if self._failures:
-                raise self._failures.pop(0)
+            outputs = self._run_captured(fn, graph_id)
             tensors = output_tensors(outputs)
-            nbytes = sum(_nbytes(t) for t in tensors) + self.graph_overhead
-            keeps = 0 if self.captures else self.first_capture_keeps
+            nbytes = self.graph_bytes(sum(_nbytes(t) for t in tensors))
             free, _ = self.device_memory()
-            if nbytes + keeps > free:
+            if nbytes + self.kept_by_capture() > free:
                 raise MemoryError(
                     f"CUDA error(2): out of memory (simulated: the graph needs {nbytes} bytes, "
                     f"{free} free)"
@@ -173,19 +122,36 @@ class SimulatedRuntime:
         except BaseException:
             self.stuck = True
             raise
-        finally:
-            self.capturing = False
-            self.in_flight = None
         if pool is None:
-            pool = ("private-pool", next(self._pool_ids))
+            pool = ("private-pool", next(self._ids))
         self._pool_bytes[pool] = self._pool_bytes.get(pool, 0) + nbytes
-        self._kept += keeps
-        self.live_graphs += 1
-        self.captures += 1
         return SimulatedGraph(self, fn, tensors, pool, nbytes, graph_id), outputs
 
+    # -- hooks a test's subclass extends
+
+    def _run_captured(self, fn: Callable[[], object], graph_id: int) -> object:
+        """Run the work being captured."""
+        return fn()
+
+    def _run_replayed(self, fn: Callable[[], object], graph_id: int) -> object:
+        """Re-run the captured work for a replay."""
+        return fn()
+
+    def graph_bytes(self, outputs: int) -> int:
+        """What one new graph takes of its pool: its outputs."""
+        return outputs
+
+    def kept_by_capture(self) -> int:
+        """What this capture takes outside every pool and keeps: nothing here."""
+        return 0
+
+    def used_outside_pools(self) -> int:
+        """Device memory in use outside every graph pool (weights, the KV cache): none here."""
+        return 0
+
+    # -- memory
+
     def _release(self, pool: object, nbytes: int) -> None:
-        self.live_graphs -= 1
         self._pool_bytes[pool] -= nbytes
         if pool[0] == "private-pool":
             del self._pool_bytes[pool]
@@ -194,22 +160,10 @@ class SimulatedRuntime:
         return None
 
     def empty_cache(self) -> None:
-        self.empty_cache_calls += 1
-
-    def allocate(self, nbytes: int) -> None:
-        """Device memory outside graph pools (weights, KV cache); MemoryError past the device."""
-        free, _ = self.device_memory()
-        if nbytes > free:
-            raise MemoryError(
-                f"CUDA error(2): out of memory (simulated: {nbytes} bytes asked, {free} free)"
-            )
-        self.other_used += nbytes
-
-    def free(self, nbytes: int) -> None:
-        self.other_used -= nbytes
+        return None
 
     def device_memory(self) -> tuple[int, int]:
-        used = self.other_used + self._kept + sum(self._pool_bytes.values())
+        used = self.used_outside_pools() + sum(self._pool_bytes.values())
         return self.device_total - used, self.device_total
 
     def device_name(self) -> str:
@@ -217,7 +171,7 @@ class SimulatedRuntime:
 
     def pool_bytes(self, pool: object) -> int:
         """Bytes held by ``pool``; with None, the allocator's reserved counter: every pool and
-        what the first capture kept."""
+        what is held outside them for graphs (``used_outside_pools``)."""
         if pool is None:
-            return self._kept + sum(self._pool_bytes.values())
+            return sum(self._pool_bytes.values())
         return self._pool_bytes.get(pool, 0)
