@@ -47,6 +47,9 @@ TWO_RANKS = (
     "static-full",
     *(f"{fault}@{rank}" for fault in FAULTS for rank in (0, 1)),
     "equal-plans-tcp",
+    "moved-on-one-rank@1",
+    "moved-between-steps-on-one-rank@0",
+    "lifecycle-call-fails@1",
     *(f"{fault}-tcp@{rank}" for fault in ("capture-oom", "never-joins") for rank in (0, 1)),
 )
 FOUR_RANKS = ("capture-oom@2",)
@@ -297,3 +300,30 @@ def test_every_ranks_summary_names_the_rank_with_the_least_free_memory(two, rank
     assert summaries[0].split("; ", 1)[1] == summaries[1].split("; ", 1)[1], summaries
     assert all(f"free after capture (tightest: rank {rank})" in s for s in summaries), summaries
     assert all("15.0 GiB of 16.0 GiB" in s for s in summaries), summaries
+
+
+# ------------------------------------------------------------------- memory that moves (issue 30)
+
+
+def test_memory_moved_on_one_rank_makes_every_rank_recapture_after_the_lifecycle_call(two):
+    facts = two["moved-on-one-rank@1"]
+    assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
+    assert [f["captured_again"] for f in facts] == [3, 3]  # rank 0 too: nothing moved there
+    assert all(f["equals_eager"] and f["replayed"] == 1 for f in facts), facts
+
+
+def test_an_input_moved_on_one_rank_between_steps_sends_every_rank_to_eager_steps_alike(two):
+    facts = two["moved-between-steps-on-one-rank@0"]
+    assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
+    for f in facts:  # rank 1's inputs did not move; it must not replay while rank 0 runs eagerly
+        assert f["first"]["equals_eager"] and f["first"]["replayed"] == 0, f
+        assert f["first"]["eager_fallbacks"] == {"memory_moved": 1}, f
+        assert f["then"]["replayed"] == 0 and not f["graphs"], f
+
+
+def test_a_lifecycle_call_that_raises_on_one_rank_stops_the_others_without_waiting(two):
+    healthy, failed = two["lifecycle-call-fails@1"]
+    assert failed["outcome"] == "other:RuntimeError" and "out of memory" in failed["message"]
+    assert healthy["outcome"] == "CaptureError", healthy
+    assert "rank 1" in healthy["message"] and "out of memory" in healthy["message"]
+    assert healthy["seconds"] < SCENARIO_LIMIT_S

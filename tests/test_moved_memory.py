@@ -7,10 +7,10 @@ without the MTP draft: after the event every decode step served (target, and eac
 equals eager on the same inputs. The models (``graph_reads.py``) read those tensors as a CUDA graph
 does, so a graph that replays the old memory gives NaN (the stand-in fills what it frees with it).
 
-Rows where FastDeploy moves memory without recapturing fail with today's plugin; they are marked
-``xfail(strict=True)`` with the reason, so the fix turns them into passes (and an unexpected pass
-fails CI until the marker goes). The last part shows that FastDeploy's own backend replays stale
-memory after ``wakeup("kv_cache")``, and pins what the stand-in moves per release.
+Rows where FastDeploy moves memory without recapturing are where the plugin recaptures itself
+(``core/lifecycle.py``); without it each of them fails (every step NaN). The last parts show that
+FastDeploy's own backend replays stale memory after ``wakeup("kv_cache")``, and pin what the
+stand-in moves per release.
 """
 
 from __future__ import annotations
@@ -38,11 +38,6 @@ ALL_RELEASES = ("2.4", "2.5", "2.6", "develop")
 #: Decode steps served after each event, as tokens (MTP: two per request).
 STEPS = {False: (4, 2, 3), True: (4, 2, 6)}
 
-KV_ONLY = (
-    "issue 30: wakeup('kv_cache') re-creates the KV caches, rope_emb and the draft's inputs and "
-    "captures nothing; the plugin replays graphs that read the freed tensors (NaN)"
-)
-
 
 @dataclass
 class Deployment:
@@ -63,9 +58,9 @@ class Deployment:
 
     def prefill(self, seed: int) -> None:
         """New requests' prefill: write the (current) caches in place."""
-        prefill(self.runner.share_inputs.get("caches"), seed)
+        prefill(self.runner.share_inputs["caches"], seed)
         if self.draft is not None:
-            prefill(self.runner.proposer.model_inputs.get("caches"), seed + 100)
+            prefill(self.runner.proposer.model_inputs["caches"], seed + 100)
 
     def new_weights(self, scale: float) -> None:
         """What a trainer publishes: every weight scaled (the next load reads it)."""
@@ -74,7 +69,7 @@ class Deployment:
             checkpoint[name] = value * scale
 
 
-def start(mtp: bool, **load: Any) -> Deployment:
+def start(mtp: bool, prefill: bool = True, **load: Any) -> Deployment:
     """FastDeploy's start-up: profile run, KV caches for the final block count, capture."""
     config = make_config(4, speculative=MTP if mtp else None, dynamic_load_weight=True)
     config.graph_opt_config.draft_model_use_cudagraph = True
@@ -88,7 +83,8 @@ def start(mtp: bool, **load: Any) -> Deployment:
     worker.initialize_cache(num_gpu_blocks=4)
     worker.graph_optimize_and_warm_up_model()
     deployment = Deployment(runner, worker, target, draft)
-    deployment.prefill(seed=1)
+    if prefill:
+        deployment.prefill(seed=1)
     return deployment
 
 
@@ -192,7 +188,6 @@ def test_sleep_and_wakeup_of_weight_alone_recapture_on_the_new_memory(
     serves_like_eager_on_graphs(d, mtp)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KV_ONLY)
 @pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
 @MODELS
 def test_after_sleep_and_wakeup_of_the_kv_cache_every_step_served_equals_eager(
@@ -200,18 +195,15 @@ def test_after_sleep_and_wakeup_of_the_kv_cache_every_step_served_equals_eager(
 ):
     d = start(mtp)
     serves_like_eager_on_graphs(d, mtp)
-    d.worker.sleep(tags="kv_cache")
-    d.worker.wakeup(tags="kv_cache")  # new caches, rope_emb, draft inputs; no capture
+    d.worker.sleep(tags="kv_cache")  # the caches are freed: the plugin releases the graphs
+    assert not any(b.has_graphs() for b in d.backends())
+    captures = d.captures()
+    d.worker.wakeup(tags="kv_cache")  # new caches, rope_emb, draft inputs; FastDeploy: no capture
+    assert d.captures() > captures  # the plugin captured on the new memory
     d.prefill(seed=3)
-    assert mismatches(d, STEPS[mtp]) == []
+    serves_like_eager_on_graphs(d, mtp)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 30: every wakeup() resets the inputs first (a new rope_emb, new draft inputs), "
-    "also when the KV cache is awake and it returns at once; no capture follows",
-)
 @pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
 @MODELS
 def test_a_wakeup_with_nothing_asleep_still_moves_rope_emb_and_steps_equal_eager(
@@ -219,24 +211,48 @@ def test_a_wakeup_with_nothing_asleep_still_moves_rope_emb_and_steps_equal_eager
 ):
     d = start(mtp)
     serves_like_eager_on_graphs(d, mtp)
+    captures = d.captures()
     d.worker.wakeup(tags="kv_cache")
-    assert mismatches(d, STEPS[mtp]) == []
+    assert d.captures() > captures
+    serves_like_eager_on_graphs(d, mtp)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 30: with FD_DETERMINISTIC_MODE=1, graph_optimize_and_warm_up_model() calls "
-    "reset_share_inputs() after capture_model(): a new rope_emb before the first step",
-)
 @pytest.mark.parametrize("fd_version", ["2.6", "develop"], indirect=True)
 @MODELS
 def test_in_deterministic_mode_the_first_steps_after_start_up_equal_eager(
     fd_version, plugin_registered, mtp, monkeypatch
 ):
     monkeypatch.setenv("FD_DETERMINISTIC_MODE", "1")
-    d = start(mtp)
-    assert mismatches(d, STEPS[mtp]) == []
+    after_reset = _inputs_after_each_reset(monkeypatch)
+    d = start(mtp, prefill=False)
+    # The plugin captured again on the new rope_emb, and then put back what FastDeploy's reset
+    # had left in the inputs (its own dummy runs wrote them).
+    assert _values(d.runner.share_inputs) == after_reset[-1]
+    d.prefill(seed=1)
+    serves_like_eager_on_graphs(d, mtp)
+
+
+def _values(share_inputs: Any) -> dict[str, list]:
+    """The values of the target's input buffers, but the KV caches'."""
+    return {
+        name: value.numpy().tolist()
+        for name, value in share_inputs.items()
+        if isinstance(value, paddle.Tensor)
+    }
+
+
+def _inputs_after_each_reset(monkeypatch) -> list[dict[str, list]]:
+    from fastdeploy.worker import input_batch
+
+    seen: list[dict[str, list]] = []
+    reset = input_batch.InputBatch.reset_share_inputs
+
+    def reset_share_inputs(batch):
+        reset(batch)
+        seen.append(_values(batch))
+
+    monkeypatch.setattr(input_batch.InputBatch, "reset_share_inputs", reset_share_inputs)
+    return seen
 
 
 @pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
@@ -247,6 +263,44 @@ def test_waking_up_the_weights_alone_while_the_kv_cache_sleeps_is_refused_as_fas
     d.worker.sleep(tags="weight,kv_cache")
     with pytest.raises(RuntimeError, match=r"Please wake up \[kv_cache\] first"):
         d.worker.wakeup(tags="weight")
+
+
+# ------------------------------------------------------------------ what no lifecycle call names
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_an_input_moved_after_a_lifecycle_call_is_caught_at_its_first_step_and_run_eagerly(
+    fd_version, plugin_registered, caplog
+):
+    d = start(mtp=False, load_strategy="rsync")
+    d.worker.update_weights(version="v2")  # moves nothing: graphs kept, each checked at its step
+    share_inputs = d.runner.share_inputs
+    share_inputs["rope_emb"] = share_inputs["rope_emb"].clone()  # no call the plugin wraps
+    replays = d.replays()
+    assert mismatches(d, STEPS[False]) == []
+    assert d.replays() == replays  # not one replay on the moved rope_emb
+    (backend,) = d.backends()
+    assert backend.stats()["eager_fallbacks"] == {"memory_moved": len(STEPS[False])}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len([w for w in warnings if "forward_meta.rotary_embs" in w]) == 1, warnings
+    d.runner.capture_model()  # FastDeploy's next capture serves from graphs again
+    serves_like_eager_on_graphs(d, mtp=False)
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_the_summary_line_says_whether_a_recapture_fastdeploy_asked_for_found_memory_moved(
+    fd_version, plugin_registered
+):
+    d = start(mtp=False)
+    (backend,) = d.backends()
+    d.target.clear_graph_opt_backend(fd_config=d.runner.fd_config)
+    d.runner.capture_model()  # nothing moved: FastDeploy re-made the graphs all the same
+    assert "nothing a graph reads moved" in backend.capture_report.summary()
+    d.runner.clear_parameters(pid=0)
+    d.runner.update_parameters(pid=0)
+    summary = backend.capture_report.summary()
+    assert "since the last capture moved: target " in summary
+    assert "share_inputs.caches[0]" in str(backend.capture_report.moved)
 
 
 # ------------------------------------------------------------------ FastDeploy's own backend

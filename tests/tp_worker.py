@@ -409,6 +409,82 @@ for _name in ("equal-plans", "capture-oom", "never-joins"):
     _over_tcp(_name)
 
 
+# ------------------------------------------------------------------- memory that moves (issue 30)
+
+
+def _serving(rank: Rank) -> tuple[Any, Any, Any]:
+    """FastDeploy's start-up with a model that reads the KV cache and rope_emb (graph_reads.py),
+    RL weights over rsync: the runner, its worker and the backend."""
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+    from fastdeploy.worker.gpu_worker import GpuWorker
+    from graph_reads import DecoratedKV, prefill
+
+    config = tp_config(rank, 4, cudagraph_capture_sizes=[4, 2, 1], dynamic_load_weight=True)
+    config.load_config.load_strategy = "rsync"
+    model = DecoratedKV(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    worker = GpuWorker(config, runner)
+    runner.profile_run()
+    worker.initialize_cache(num_gpu_blocks=4)
+    worker.graph_optimize_and_warm_up_model()
+    prefill(runner.share_inputs["caches"], 1)
+    return runner, worker, model.graph_opt_backend.cudagraph_piecewise_backend
+
+
+def _served(runner: Any, backend: Any) -> dict[str, Any]:
+    """One decode step: whether it equals eager, and how the backend served it."""
+    import paddle
+
+    replays = sum(backend.stats()["replays"].values())
+    out = runner.execute_step(4)
+    ids = runner.share_inputs["ids"][:4]
+    eager = runner.model.forward(ids_remove_padding=ids, forward_meta=runner.forward_meta)
+    return {
+        "equals_eager": bool(paddle.allclose(out, eager[:4]).item()),
+        "replayed": sum(backend.stats()["replays"].values()) - replays,
+        "eager_fallbacks": backend.stats()["eager_fallbacks"],
+    }
+
+
+@scenario("moved-on-one-rank")
+def moved_on_one_rank(rank: Rank) -> dict[str, Any]:
+    """An rsync weight update moves nothing, but on the faulty rank rope_emb was re-made just
+    before: every rank recaptures, none alone."""
+    runner, worker, backend = _serving(rank)
+    captures = backend.captures
+    if rank.faulty:
+        runner.share_inputs["rope_emb"] = runner.share_inputs["rope_emb"].clone()
+    worker.update_weights(version="v2")
+    return {"captured_again": backend.captures - captures, **_served(runner, backend)}
+
+
+@scenario("moved-between-steps-on-one-rank")
+def moved_between_steps(rank: Rank) -> dict[str, Any]:
+    """After a lifecycle call that moved nothing, the faulty rank's rope_emb moves before the
+    next step (a move no fingerprint saw): every rank serves that step eagerly."""
+    runner, worker, backend = _serving(rank)
+    worker.update_weights(version="v2")
+    if rank.faulty:
+        runner.share_inputs["rope_emb"] = runner.share_inputs["rope_emb"].clone()
+    first = _served(runner, backend)
+    return {"first": first, "then": _served(runner, backend), "graphs": backend.has_graphs()}
+
+
+@scenario("lifecycle-call-fails")
+def lifecycle_call_fails(rank: Rank) -> dict[str, Any]:
+    """The faulty rank's wake-up raises; the others must not wait for it at the check after."""
+    runner, worker, backend = _serving(rank)
+    if rank.faulty:
+        runner.initialize_kv_cache = _raise_oom
+    worker.sleep(tags="kv_cache")
+    worker.wakeup(tags="kv_cache")
+    return {"captured": backend.has_graphs()}
+
+
+def _raise_oom(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(OOM)
+
+
 # ---------------------------------------------------------------------------------- driver
 
 

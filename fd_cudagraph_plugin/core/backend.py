@@ -10,7 +10,9 @@ arguments, ``forward_meta`` among them. This class is that contract (``__init__`
 * ``dispatch.py``: the one place that decides a step's graph and counts every step, and the fast
   path serving it;
 * ``capture.py``: capturing one entry, with the ranks' agreement points of ``agreement.py``;
-* ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode).
+* ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode);
+* ``moved.py``: where its graphs read memory, which ``lifecycle.py`` checks after FastDeploy's
+  lifecycle calls; the first replay of each graph after one checks its inputs (``_verify``).
 
 What a capture session asks of a backend is ``session.SessionBackend``; the rest of a worker's
 process (the reporter, metrics, the capture-loop hooks) is ``hooks.adopt``'s.
@@ -26,13 +28,13 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fd_cudagraph_plugin.core import agreement, hooks, observability, process, seam
+from fd_cudagraph_plugin.core import agreement, hooks, moved, observability, process, seam
 from fd_cudagraph_plugin.core.capture import Capturer
-from fd_cudagraph_plugin.core.dispatch import EAGER, REPLAY, Dispatcher
+from fd_cudagraph_plugin.core.dispatch import EAGER, REPLAY, VERIFY, Dispatcher
 from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
 from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError
 from fd_cudagraph_plugin.core.graphs import DECODE, GraphEntry, GraphTable, Step
-from fd_cudagraph_plugin.core.messages import VERDICT, text
+from fd_cudagraph_plugin.core.messages import VERDICT, Bool, text
 from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
@@ -93,6 +95,8 @@ class CudaGraphBackend:
         #: The report of the last capture session this backend took part in.
         self.capture_report: CaptureReport | None = None
         self._warned: set[tuple[str, int]] = set()
+        #: Where this backend's graphs read memory, taken when a capture session ends.
+        self.fingerprint: moved.Fingerprint | None = None
         self._stats_file = observability.stats_file(settings, self._outputs)
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
@@ -118,6 +122,11 @@ class CudaGraphBackend:
         action, step, entry = self.dispatcher.decide(meta, tokens)
         if action == REPLAY:
             return self._replay(entry, kwargs)
+        if action == VERIFY:
+            if not self._verify(entry, kwargs):
+                return self._eager_now("memory_moved", step, tokens, kwargs)
+            self.dispatcher.replayed(step, tokens)
+            return self._replay(entry, kwargs)
         if action == EAGER:
             return self._eager(step, tokens, kwargs)
         return self._capture_and_run(entry, step, tokens, kwargs)
@@ -136,7 +145,8 @@ class CudaGraphBackend:
         """Run the step without a graph through ``dy_runnable``, as FastDeploy runs every step it
         does not graph (the dispatcher counted it), with one warning per reason and shape."""
         reason = step.reason
-        if reason != "prefill" and (reason, tokens) not in self._warned and self._session is None:
+        quiet = reason in ("prefill", "memory_moved")  # lifecycle.py warned once for the call
+        if not quiet and (reason, tokens) not in self._warned and self._session is None:
             self._warned.add((reason, tokens))
             prefill = reason == "oversized_prefill"
             sizes = self.mode.prefill_sizes if prefill else self.settings.capture_sizes
@@ -256,6 +266,82 @@ class CudaGraphBackend:
         if report is not None:
             self.capture_report = report
         self.dispatcher.in_session(False)
+
+    # ------------------------------------------------------------------ memory that moves
+
+    def has_graphs(self, prefill: bool = False) -> bool:
+        """A graph is captured (of the prefill phase, with ``prefill``)."""
+        entries = self.table.prefill.values() if prefill else self.table.all()
+        return any(e.captured for e in entries)
+
+    def take_fingerprint(self, runner: Any) -> list[str] | None:
+        """Note where the graphs captured now read memory (a capture session ended); return what
+        moved since the last fingerprint (None: this is the first): why a recapture was needed,
+        or that none was."""
+        pointers = moved.pointers_of(a for e in self.table.all() for a in e.addresses)
+        allreduce = seam.custom_allreduce()
+        before, self.fingerprint = (
+            self.fingerprint,
+            moved.Fingerprint(
+                moved.parameters(self.layer),
+                moved.read_buffers(seam.input_buffers(runner), pointers),
+                id(allreduce) if allreduce is not None else None,
+            ),
+        )
+        return before.moved(self.fingerprint) if before is not None else None
+
+    def moved_since_capture(self, runner: Any) -> list[str]:
+        """What the graphs read that is no longer where it was at their capture."""
+        if self.fingerprint is None:
+            return []
+        allreduce = seam.custom_allreduce()
+        now = moved.Fingerprint(
+            moved.parameters(self.layer),
+            moved.same_buffers(
+                seam.input_buffers(runner), (name for name, _ in self.fingerprint.buffers)
+            ),
+            id(allreduce) if allreduce is not None else None,
+        )
+        return self.fingerprint.moved(now)
+
+    def suspect(self) -> None:
+        """A lifecycle call ran: each graph's next replay checks its inputs first."""
+        for entry in self.table.all():
+            entry.verified = False
+        self.dispatcher.suspect()
+
+    def _verify(self, entry: GraphEntry, kwargs: dict) -> bool:
+        """The first replay of ``entry`` since a lifecycle call: its inputs are where its capture
+        saw them on every rank (agreed: ranks must not mix replays and eager steps), or every
+        graph of the process is released and steps run eagerly until the next capture."""
+        from fd_cudagraph_plugin.core import guards
+        from fd_cudagraph_plugin.core.session import link_for
+
+        link = link_for(self.fd_config, self._worker.options)
+        link.next_epoch()
+        points = agreement.Agreement(link, self.settings.options.rank_timeout, None)
+        local = guards.moved_inputs(entry.addresses, kwargs)
+        said = points.share("inputs in place", self, entry.key, lambda: not local, Bool())
+        if all(said):
+            entry.verified = True
+            self.dispatcher.publish(entry)
+            return True
+        ranks = [rank for rank, fine in enumerate(said) if not fine]
+        logger.warning(
+            "CUDA graph backend %#x (%s): at the first %s step since a lifecycle call, inputs "
+            "of its graph are not where the capture saw them (rank %s%s). The plugin released "
+            "every graph: steps run without graphs until capture_model() runs again.",
+            id(self),
+            self.role,
+            entry.key,
+            ", ".join(map(str, ranks)),
+            f"; here: {moved.summary(local)}" if local else "",
+        )
+        self.clear_graph()
+        for backend in self._worker.backends():
+            backend.dispatcher.stale = True
+        self._worker.stale_after = self._worker.stale_after or "a lifecycle call"
+        return False
 
     # ------------------------------------------------------------------ lifecycle
 

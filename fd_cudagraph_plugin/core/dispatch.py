@@ -41,8 +41,9 @@ from fd_cudagraph_plugin.core.graphs import (
 from fd_cudagraph_plugin.core.mode import Mode
 
 General = Callable[[dict, Any, int], Any]
-#: What the backend does with a step the hot path did not serve.
-REPLAY, CAPTURE, EAGER = "replay", "capture", "eager"
+#: What the backend does with a step the hot path did not serve: ``VERIFY`` is a replay whose
+#: graph's inputs are checked first (its first since a lifecycle call), counted once it replays.
+REPLAY, VERIFY, CAPTURE, EAGER = "replay", "verify", "capture", "eager"
 
 
 class Counts:
@@ -111,6 +112,9 @@ class Dispatcher:
         #: A prefill step reached the backend in only-prefill mode (from 2.5 only static split
         #: routes them): what ``check_capture_successful`` then requires.
         self.saw_prefill_step = False
+        #: The graphs were released for memory that moved (``lifecycle.py``): until a capture
+        #: session opens, a step whose graph is not captured runs eagerly as ``memory_moved``.
+        self.stale = False
         self._guard_every = guard_every
         self._general = general
         self.rebuild(mode, table)
@@ -138,6 +142,8 @@ class Dispatcher:
 
     def in_session(self, open_: bool) -> None:
         """A capture session opened (True) or closed: count its steps apart from served ones."""
+        if open_:
+            self.stale = False
         self.counts = self.capture_counts if open_ else self.served_counts
         self.serve = self._fast_path()
 
@@ -147,9 +153,14 @@ class Dispatcher:
         through Paddle's partial programs, are served by the general path only."""
         if entry.phase != DECODE or entry.key.static or self.mode.only_prefill:
             return
-        served = entry if entry.captured and not entry.disabled else None
+        served = entry if entry.captured and not entry.disabled and entry.verified else None
         for key in self._keys_of.get(entry.size, ()):
             self.served[key] = served
+
+    def suspect(self) -> None:
+        """A lifecycle call may have moved what the graphs read: the fast path serves nothing
+        until the general path has checked each graph at its first step (and published it)."""
+        self.served[:] = [None] * len(self.served)
 
     def _fast_path(self) -> Callable[[dict], Any]:
         """The backend's ``__call__``: serve a step from ``served`` or hand it to the general
@@ -211,9 +222,10 @@ class Dispatcher:
     # ------------------------------------------------------------------ the general path
 
     def decide(self, meta: Any, tokens: int) -> tuple[str, Step, GraphEntry | None]:
-        """What to do with a step the hot path did not serve: ``REPLAY`` its entry, ``CAPTURE``
-        it, or run it ``EAGER`` (the step's ``reason`` says why). A replay or an eager step is
-        counted here; a capture is counted by ``replayed`` once it has run."""
+        """What to do with a step the hot path did not serve: ``REPLAY`` its entry, ``VERIFY``
+        and then replay it, ``CAPTURE`` it, or run it ``EAGER`` (the step's ``reason`` says why).
+        A replay or an eager step is counted here; a verified replay or a capture by
+        ``replayed`` once it has run."""
         step = self.route(meta, tokens)
         if step.key is None:
             return self._eager(step, step.reason)
@@ -223,8 +235,12 @@ class Dispatcher:
         if entry.disabled:
             return self._eager(step, "self_check_failed")
         if entry.captured:
+            if not entry.verified:
+                return VERIFY, step, entry
             self.replayed(step, tokens)
             return REPLAY, step, entry
+        if self.stale:
+            return self._eager(step, "memory_moved")
         if entry.size != tokens:
             # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
             return self._eager(step, "not_captured")
@@ -309,4 +325,14 @@ class Dispatcher:
         return int((seq_lens.flatten() > 0).sum())
 
 
-__all__ = ["CAPTURE", "EAGER", "REPLAY", "Counts", "Dispatcher", "GraphKey", "Step", "TOKENS"]
+__all__ = [
+    "CAPTURE",
+    "EAGER",
+    "REPLAY",
+    "VERIFY",
+    "Counts",
+    "Dispatcher",
+    "GraphKey",
+    "Step",
+    "TOKENS",
+]

@@ -62,7 +62,7 @@ class Captured:
     graph_bytes: int
     seconds: float
     warmups: int
-    #: Input data pointers at capture, when the address guard is on.
+    #: Input data pointers at capture (dynamic graphs).
     addresses: tuple[tuple[str, int], ...] = ()
 
 
@@ -80,6 +80,7 @@ class GraphEntry:
         "graph_bytes",
         "addresses",
         "disabled",
+        "verified",
     )
 
     def __init__(self, key: GraphKey) -> None:
@@ -95,10 +96,14 @@ class GraphEntry:
         self.static_captured = False
         self.capture_seconds = 0.0
         self.graph_bytes = 0
-        #: Input data pointers at capture, when the address guard is on.
+        #: Input data pointers at capture (dynamic graphs): what its first replay after a
+        #: lifecycle call, and the address guard, compare.
         self.addresses: tuple[tuple[str, int], ...] = ()
         #: The self-check found this graph wrong: the key is served eagerly (``GraphTable``).
         self.disabled = False
+        #: Its inputs were where the capture saw them at its first replay since the last
+        #: lifecycle call (``backend.verify``); the hot path serves only verified graphs.
+        self.verified = True
 
     @property
     def phase(self) -> str:
@@ -117,6 +122,7 @@ class GraphEntry:
         self.graph_bytes = captured.graph_bytes
         self.capture_seconds = captured.seconds
         self.addresses = captured.addresses
+        self.verified = True
 
     def release(self) -> None:
         """Drop the graph and its outputs (they live in graph memory)."""

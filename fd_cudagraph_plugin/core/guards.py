@@ -22,6 +22,7 @@ __all__ = [
     "SelfCheckError",
     "check_addresses",
     "input_addresses",
+    "moved_inputs",
     "self_check",
 ]
 
@@ -58,6 +59,11 @@ def _current_pointer(kwargs: dict, name: str) -> int | None:
         position = int(index[:-1])
         value = value[position] if position < len(value) else None
     return value.data_ptr() if isinstance(value, paddle.Tensor) else None
+
+
+def moved_inputs(captured: tuple[tuple[str, int], ...], kwargs: dict) -> list[str]:
+    """The inputs recorded at capture (only those) that this call has elsewhere, or not at all."""
+    return [name for name, pointer in captured if _current_pointer(kwargs, name) != pointer]
 
 
 def check_addresses(captured: tuple[tuple[str, int], ...], kwargs: dict, size: int) -> None:

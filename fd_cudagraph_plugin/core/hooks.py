@@ -1,6 +1,6 @@
 """FastDeploy's capture loops run inside a ``CaptureSession``, and its memory profile and the end
-of each capture loop call the KV reserve (``reserve.py``); a backend FastDeploy builds joins its
-process (``adopt``).
+of each capture loop call the KV reserve (``reserve.py``); its lifecycle calls end in
+``lifecycle.after`` (memory that moved); a backend FastDeploy builds joins its process (``adopt``).
 
 ``GPUModelRunner.capture_model()`` (decode) and ``capture_model_prefill_and_mixed()`` (static split
 prefill) own the dummy runs that make the backends capture; the wrappers keep those loops and
@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core import observability, process, reserve, seam
+from fd_cudagraph_plugin.core import lifecycle, observability, process, reserve, seam
 from fd_cudagraph_plugin.core.errors import CaptureError
 from fd_cudagraph_plugin.core.session import CaptureSession, SessionBackend
 
@@ -104,10 +104,17 @@ def install() -> bool:
             method = runner.__dict__.get(name)
             if method is not None and not hasattr(method, "_fd_cudagraph_original"):
                 setattr(runner, name, _in_session(method, phase))
+        for name, servable in seam.LIFECYCLE:
+            method = runner.__dict__.get(name)
+            if method is not None and not hasattr(method, "_fd_cudagraph_original"):
+                setattr(runner, name, lifecycle.wrap(method, name, servable))
     for gpu_worker in seam.loaded_workers():
         method = gpu_worker.__dict__.get("determine_available_memory")
         if method is not None and not hasattr(method, "_fd_cudagraph_original"):
             gpu_worker.determine_available_memory = _reserving(method)
+        method = gpu_worker.__dict__.get(seam.START_UP)
+        if method is not None and not hasattr(method, "_fd_cudagraph_original"):
+            setattr(gpu_worker, seam.START_UP, lifecycle.wrap(method, seam.START_UP, True))
     return bool(runners)
 
 
@@ -119,8 +126,10 @@ def watch() -> None:
 def uninstall() -> None:
     graph_opt_backend = getattr(seam.import_or_none(seam.BACKEND_MODULE), "GraphOptBackend", None)
     wrapped = [(r, n) for r in seam.loaded_runners() for n, _ in seam.CAPTURE_LOOPS]
+    wrapped += [(r, n) for r in seam.loaded_runners() for n, _ in seam.LIFECYCLE]
     wrapped += [(graph_opt_backend, "__call__")] if graph_opt_backend is not None else []
     wrapped += [(w, "determine_available_memory") for w in seam.loaded_workers()]
+    wrapped += [(w, seam.START_UP) for w in seam.loaded_workers()]
     for owner, name in wrapped:
         original = getattr(owner.__dict__.get(name), "_fd_cudagraph_original", None)
         if original is not None:

@@ -62,6 +62,14 @@ class WorkerProcess:
         self.announced = False
         #: (class, attribute) pairs the plugin added to FastDeploy's classes (seam.py).
         self.patches: list[tuple[type, str]] = []
+        #: Lifecycle calls running now (a wake-up may call another): only the outermost one's
+        #: end is checked (lifecycle.py).
+        self.lifecycle_depth = 0
+        #: The lifecycle call after which the plugin released the graphs for memory that moved,
+        #: until they are captured again (lifecycle.py).
+        self.stale_after: str | None = None
+        #: Why the plugin runs the capture loops itself, while it does: the summary line says it.
+        self.recapture_cause = ""
 
     @property
     def options(self) -> PluginOptions:

@@ -334,6 +334,87 @@ def _holds(model: Any, layer: object) -> bool:
         return False
 
 
+# ------------------------------------------------------------------------ the lifecycle
+
+#: The runner's calls that free or re-make what a graph reads (issue 30), and what each leaves:
+#: ``True`` when the model can serve (and so capture) right after it, ``False`` when its weights
+#: or KV cache are gone until a later call. ``sleep``, ``wakeup`` and ``update_weights`` exist from
+#: 2.5 (``r3_cherry_pick_2.5`` has no ``sleep`` or ``wakeup``); ``clear_parameters`` and
+#: ``update_parameters`` (the legacy RL path) on every release. ``GpuWorker.sleep``, ``wakeup``
+#: and ``update_weights`` only delegate to these.
+LIFECYCLE = (
+    ("sleep", False),
+    ("wakeup", True),
+    ("clear_parameters", False),
+    ("update_parameters", True),
+    ("update_weights", True),
+)
+#: The worker's start-up: on 2.6 and develop, with ``FD_DETERMINISTIC_MODE=1``, it calls
+#: ``share_inputs.reset_share_inputs()`` after ``capture_model()``: a new ``rope_emb``.
+START_UP = "graph_optimize_and_warm_up_model"
+
+
+def input_buffers(runner: Any) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` of the runner's input buffers and the MTP draft's: ``share_inputs``
+    and ``proposer.model_inputs`` (a dict on 2.4, an ``InputBatch`` object from 2.5), each
+    tensor of a list (the KV ``caches``) on its own."""
+    from fd_cudagraph_plugin.core.moved import tensors_in
+
+    found = list(tensors_in("share_inputs.", getattr(runner, "share_inputs", None)))
+    proposer = getattr(runner, "proposer", None)
+    found += tensors_in("proposer.model_inputs.", getattr(proposer, "model_inputs", None))
+    return found
+
+
+def can_serve(runner: Any) -> bool:
+    """Weights and KV cache are both awake (``is_weight_sleeping`` / ``is_kvcache_sleeping``
+    from 2.5; 2.4 has neither) and the KV cache exists."""
+    if getattr(runner, "is_weight_sleeping", False) or getattr(
+        runner, "is_kvcache_sleeping", False
+    ):
+        return False
+    inputs = getattr(runner, "share_inputs", None)
+    try:  # 2.5's InputBatch has no get()
+        return inputs is not None and "caches" in inputs and inputs["caches"] is not None
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def inputs_kept(runner: Any) -> Iterator[None]:
+    """Put back, in place, the values of the runner's input buffers and the random state after
+    a capture the plugin runs: its dummy runs write them, and FastDeploy's deterministic mode
+    reset them on purpose right before (``graph_optimize_and_warm_up_model``, 2.6+). The copies
+    are kept in host memory (a wake-up has just filled the device with the KV cache)."""
+    import paddle
+
+    kept = []
+    for name, tensor in input_buffers(runner):
+        if ".caches[" not in name:
+            with contextlib.suppress(Exception):  # one without memory has nothing to put back
+                value = tensor.cpu()
+                if value.data_ptr() == tensor.data_ptr():  # already in host memory: the same
+                    value = tensor.clone()
+                kept.append((tensor, value))
+    random_state = paddle.get_rng_state()
+    try:
+        yield
+    finally:
+        paddle.set_rng_state(random_state)
+        for tensor, value in kept:
+            tensor.copy_(value.to(tensor.place), False)
+
+
+def capture_loops(runner: Any, prefill: bool) -> list[Callable[[], object]]:
+    """The runner's capture loops to run again after the plugin released its graphs, in the
+    order ``graph_optimize_and_warm_up_model`` runs them: static split prefill (when a prefill
+    graph was captured), then decode."""
+    loops = [runner.capture_model]
+    if prefill and hasattr(runner, "capture_model_prefill_and_mixed"):
+        loops.insert(0, runner.capture_model_prefill_and_mixed)
+    return loops
+
+
 # ------------------------------------------------------------------------ custom all-reduce
 
 

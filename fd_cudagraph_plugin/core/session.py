@@ -46,6 +46,7 @@ from fd_cudagraph_plugin.core.errors import (
 from fd_cudagraph_plugin.core.graphs import GraphEntry, GraphKey
 from fd_cudagraph_plugin.core.messages import Maybe, Of, PlanPayload, RankMemory
 from fd_cudagraph_plugin.core.mode import Mode
+from fd_cudagraph_plugin.core.moved import summary as moved_summary
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.runtime import GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings, read_ranks
@@ -72,6 +73,10 @@ class SessionBackend(Protocol):
 
     def session_closed(self, report: CaptureReport | None) -> None:
         """The session closed; ``report`` is what it captured (None when it failed)."""
+
+    def take_fingerprint(self, runner: Any) -> list[str] | None:
+        """Note where the graphs now read memory; return what moved since the last time (None:
+        there was none)."""
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -169,6 +174,10 @@ class CaptureReport:
     memory: list[RankMemory] = field(default_factory=list)
     #: Why warm-ups were skipped, when some were (``warmups.py``): the summary line says it.
     warmup_note: str = ""
+    #: Why the plugin ran this capture itself (``lifecycle.py``), or "".
+    cause: str = ""
+    #: What a graph reads that moved since the capture before (None: there was none before).
+    moved: list[str] | None = None
 
     @property
     def graphs(self) -> int:
@@ -204,6 +213,15 @@ class CaptureReport:
         )
         if self.memory:
             text += "; " + budget.memory_line(self.memory, self.rank)
+        if self.cause:
+            text = f"recaptured by the plugin {self.cause}: {text}"
+        elif self.moved is not None:
+            # A capture FastDeploy asked for again: say whether it had to (issue 30).
+            text += "; since the last capture " + (
+                f"moved: {moved_summary(self.moved)}"
+                if self.moved
+                else "nothing a graph reads moved (graphs were re-made all the same)"
+            )
         return text
 
     def _warmup_text(self) -> str:
@@ -542,6 +560,13 @@ class CaptureSession:
     def _finish(self) -> None:
         report = self.report
         report.warmup_note = warmups.note(report, self.members)
+        self.process.stale_after = None
+        report.cause = self.process.recapture_cause
+        if self.runner is not None and report.records:
+            for member in self.members:
+                names = member.take_fingerprint(self.runner)
+                if names is not None:
+                    report.moved = (report.moved or []) + [f"{member.role} {n}" for n in names]
         prefix = f"{self.purpose}: " if self.purpose else ""
         logger.info("%s%s", prefix, report.summary())
         path = self.options.memory_report

@@ -119,7 +119,7 @@ class MTPProposer:
                 seq_lens_this_time=lens_buffer[: max(len(lens), 1)],
                 is_dummy_or_profile_run=is_dummy_run,
                 rotary_embs=inputs["rope_emb"],
-                caches=inputs.get("caches"),
+                caches=inputs["caches"] if "caches" in inputs else None,  # noqa: SIM401 (2.5: no get)
             )
             self.forward_meta = meta
             if _stub_version.at_least("2.6"):

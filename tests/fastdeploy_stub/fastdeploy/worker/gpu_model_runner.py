@@ -169,7 +169,7 @@ class GPUModelRunner:
             ids_remove_padding=self.share_inputs["ids_remove_padding"],
             rotary_embs=self.share_inputs["rope_emb"],
             seq_lens_this_time=self.share_inputs["seq_lens_this_time"],
-            caches=self.share_inputs.get("caches"),
+            caches=self.share_inputs["caches"] if "caches" in self.share_inputs else None,  # noqa: SIM401 (2.5: no get)
             is_dummy_or_profile_run=is_dummy_or_profile_run,
         )
 

@@ -1,7 +1,9 @@
 """``InputBatch`` and ``ProposerInputBatch`` (2.5+): the runner's and the draft's input buffers.
 
 On 2.4 both are plain dicts (``share_inputs = {}``, ``model_inputs = {}``) with no reset. From 2.5
-they are objects read like dicts; the stand-in makes them dict subclasses. Their resets, written
+they are objects read like dicts; the stand-in makes them dict subclasses, without ``get()`` on
+2.5 (``InputBatch`` has ``__getitem__``, ``__contains__``, ``update`` and ``pop`` there, and
+``get`` from 2.6: ``r3_ban_cpucache_2.5`` and ``r3_eos_2.6`` IB:26-60). Their resets, written
 from ``worker/input_batch.py`` of each release, keep most buffers (filled in place, same address)
 and re-create a few (new address):
 
@@ -29,12 +31,19 @@ def new_rope(length: int, head_dim: int) -> paddle.Tensor:
 
 
 def _renew_rope(inputs: Any, length: int, head_dim: int) -> None:
-    old = inputs.get("rope_emb")
+    old = inputs["rope_emb"] if "rope_emb" in inputs else None  # noqa: SIM401 (2.5: no get)
     inputs["rope_emb"] = new_rope(length, head_dim)
     _stub_memory.release(old)
 
 
-class InputBatch(dict):
+class _Batch(dict):
+    def get(self, key: str, default: Any = None) -> Any:
+        if _stub_version.current() == "2.5":
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'get'")
+        return super().get(key, default)
+
+
+class InputBatch(_Batch):
     """The target's ``share_inputs`` (2.5+)."""
 
     def __init__(self, length: int, max_num_seqs: int, head_dim: int) -> None:
@@ -57,7 +66,7 @@ def plain_share_inputs(length: int, max_num_seqs: int, head_dim: int) -> dict:
     return dict(InputBatch(length, max_num_seqs, head_dim))
 
 
-class ProposerInputBatch(dict):
+class ProposerInputBatch(_Batch):
     """The MTP draft's ``model_inputs`` (2.5+)."""
 
     def __init__(self, length: int, max_num_seqs: int, hidden: int) -> None:
