@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,21 @@ def test_capture_benchmark_with_fastdeploys_backend_gives_the_per_round_ratio():
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [x for x in done.stdout.splitlines() if "per round:" in x]
     assert line.strip().startswith("fd-cudagraph-plugin / FastDeploy backend's time per size")
+
+
+def test_moved_memory_benchmark_times_the_checks_on_the_parameters_and_buffers_it_names():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "moved.py"), "--layers", "20", "--caches", "6"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # 20 Linear layers (40 parameters) and the model's own 3; the 6 caches among the buffers.
+    found = re.search(r"(\d+) parameters, (\d+) runner buffers the graphs read", done.stdout)
+    assert found is not None, done.stdout
+    assert int(found[1]) == 43 and int(found[2]) >= 6, done.stdout
+    for row in ("take", "compare", "after rsync update"):
+        assert f"  {row} " in done.stdout
