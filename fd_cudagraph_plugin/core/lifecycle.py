@@ -73,7 +73,7 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
     if not servable or not seam.can_serve(runner):
         _release(backends, event, what)
         return
-    _recapture(backends, runner, event, what or f"released after {worker.stale_after}")
+    _recapture(backends, runner, event, what or f"graphs released after {worker.stale_after}")
 
 
 def _release(backends: list[Any], event: str, what: str) -> None:
@@ -95,12 +95,16 @@ def _release(backends: list[Any], event: str, what: str) -> None:
 def _recapture(backends: list[Any], runner: Any, event: str, what: str) -> None:
     worker = process.current()
     prefill = any(b.has_graphs(prefill=True) for b in backends)
-    logger.info(
-        "After %s, memory that CUDA graphs read has moved (%s), and FastDeploy did not capture "
-        "again: the plugin releases the graphs and captures them on the memory as it is now.",
-        event,
-        what,
-    )
+    if worker.stale_after is not None and not any(b.has_graphs() for b in backends):
+        logger.info("After %s, the plugin captures the %s again.", event, what)
+    else:
+        logger.info(
+            "After %s, memory that CUDA graphs read has moved (%s), and FastDeploy did not "
+            "capture again: the plugin releases the graphs and captures them on the memory as "
+            "it is now.",
+            event,
+            what,
+        )
     if any(b.has_graphs() for b in backends):
         backends[0].clear_graph()
     worker.stale_after = worker.stale_after or event
