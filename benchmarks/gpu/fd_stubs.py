@@ -40,23 +40,153 @@ def plain_capture_model(runner) -> None:
             step(size)
 
 
+#: What the stand-in's ``sleep`` and ``wakeup`` write into a tensor before dropping it (-1 into
+#: an integer one; None: nothing). Not FastDeploy's behaviour: torch's caching allocator keeps a
+#: freed block as it was until it hands the block out again, so a graph that reads freed memory
+#: may still see the old values; on a serving worker that memory goes to the trainer (sleep) or
+#: to the new tensors. ``bench_wakeup.py`` sets NaN here to make such a read visible, and runs
+#: once without it.
+FREED_FILL = None
+
+
+def _drop(tensor) -> None:
+    """Write ``FREED_FILL`` into a tensor about to be freed (-1 into an integer one)."""
+    if tensor is not None and FREED_FILL is not None:
+        tensor.fill_(FREED_FILL if tensor.is_floating_point() else -1)
+
+
+def _empty_cache() -> None:
+    import paddle  # the torch stand-in (harness.py installs it first)
+
+    paddle.device.cuda.empty_cache()
+
+
+class ShareInputs(dict):
+    """What ``sleep``/``wakeup("kv_cache")`` free and make anew in FastDeploy's input buffers
+    (``share_inputs``, an ``InputBatch`` from 2.5; the MTP draft's ``model_inputs``): the KV
+    caches (``"caches"``, a list of tensors), ``"rope_emb"`` and the ids. ``make_caches``,
+    ``make_rope`` and ``make_ids`` build new tensors; every other key stays as given."""
+
+    def __init__(self, make_caches, make_rope, make_ids, **buffers):
+        super().__init__(buffers)
+        self._make_caches, self._make_rope, self._make_ids = make_caches, make_rope, make_ids
+        self["ids_remove_padding"] = make_ids()
+        self["rope_emb"] = make_rope()
+
+    def initialize_caches(self) -> None:
+        """New caches (``initialize_kv_cache``): the old list, if any, is dropped first."""
+        self.drop_caches()
+        self["caches"] = self._make_caches()
+
+    def drop_caches(self) -> None:
+        """``clear_cache``: the caches popped from the inputs (their memory freed)."""
+        for tensor in self.pop("caches", None) or []:
+            _drop(tensor)
+
+    def reset_share_inputs(self) -> None:
+        """The target's reset (every ``wakeup``, 2.5+): the ids filled in place, a new
+        ``rope_emb``, made while the old one lives (so at a new address), then the old freed."""
+        self["ids_remove_padding"].zero_()
+        old, self["rope_emb"] = self["rope_emb"], self._make_rope()
+        _drop(old)
+
+    def reset_model_inputs(self) -> None:
+        """The MTP draft's reset (every ``wakeup``, 2.5+): new ids and a new ``rope_emb``."""
+        for name, make in (("ids_remove_padding", self._make_ids), ("rope_emb", self._make_rope)):
+            old, self[name] = self[name], make()
+            _drop(old)
+
+
+class Proposer:
+    """The MTP proposer: its ``model`` (where the plugin tells the draft's backend from the
+    target's), its ``model_inputs`` and KV cache when given (``ShareInputs``)."""
+
+    def __init__(self, model, model_inputs=None):
+        self.model = model
+        self.model_inputs = model_inputs
+
+    def initialize_kv_cache(self, main_model_num_blocks=None) -> None:
+        self.model_inputs.initialize_caches()
+
+    def clear_mtp_cache(self, profile: bool = False) -> None:
+        self.model_inputs.drop_caches()
+        _empty_cache()
+
+
 class GPUModelRunner:
-    """``fastdeploy.worker.gpu_model_runner.GPUModelRunner``: only its decode capture loop.
+    """``fastdeploy.worker.gpu_model_runner.GPUModelRunner``: its decode capture loop and, when
+    given ``share_inputs`` (``ShareInputs``), the KV-cache part of its lifecycle.
 
     The plugin's ``hooks.install()`` wraps ``capture_model`` of this class in a capture session,
-    as it wraps FastDeploy's (from ``register()`` and from each backend's constructor). FastDeploy's
-    own backend has no such hook: drive it with ``plain_capture_model(runner)``. ``model`` and
-    ``proposer.model`` are where the plugin's session tells the target backend from the draft's.
+    as it wraps FastDeploy's (from ``register()`` and from each backend's constructor), and the
+    lifecycle calls below where its version wraps them. FastDeploy's own backend has no such
+    hook: drive it with ``plain_capture_model(runner)``. ``model`` and ``proposer.model`` are
+    where the plugin's session tells the target backend from the draft's.
+
+    ``sleep("kv_cache")`` and ``wakeup("kv_cache")`` follow FastDeploy 2.6 (``r3_eos_2.6``) and
+    develop, in its order: sleep frees the draft's KV cache, then the target's
+    (``clear_cache``), and empties the allocator's cache; wakeup resets the inputs first (the
+    draft's ``reset_model_inputs()``, the target's ``reset_share_inputs()``: a new ``rope_emb``,
+    new draft ids), then makes new caches (the draft's, then ``initialize_kv_cache()``), and
+    captures nothing. The "weight" tag (weights to the host and back, with a capture) is not
+    modelled here.
     """
 
-    def __init__(self, fd_config, steps, model=None, draft_model=None):
+    def __init__(
+        self, fd_config, steps, model=None, draft_model=None, share_inputs=None, draft_inputs=None
+    ):
         self.fd_config = fd_config
         self.steps = list(steps)  # callables step(size): one decode dummy run of one model
         self.model = model
-        self.proposer = None if draft_model is None else SimpleNamespace(model=draft_model)
+        self.proposer = None if draft_model is None else Proposer(draft_model, draft_inputs)
+        self.share_inputs = share_inputs
+        self.use_cudagraph = True
+        self.is_kvcache_sleeping = False
+        self.is_weight_sleeping = False
+        if share_inputs is not None:
+            self.initialize_kv_cache()
+            if draft_inputs is not None:
+                self.proposer.initialize_kv_cache()
 
     def capture_model(self) -> None:
         plain_capture_model(self)
+
+    def _draft_inputs(self):
+        return None if self.proposer is None else self.proposer.model_inputs
+
+    def initialize_kv_cache(self, profile: bool = False) -> None:
+        self.share_inputs.initialize_caches()
+
+    def clear_cache(self, profile: bool = False) -> None:
+        self.share_inputs.drop_caches()
+        _empty_cache()
+
+    def sleep(self, tags: str = "kv_cache") -> None:
+        _only_kv_cache(tags)
+        if self.is_kvcache_sleeping:
+            return
+        if self._draft_inputs() is not None:
+            self.proposer.clear_mtp_cache()
+        self.clear_cache()
+        self.is_kvcache_sleeping = True
+        _empty_cache()
+
+    def wakeup(self, tags: str = "kv_cache") -> None:
+        _only_kv_cache(tags)
+        if self._draft_inputs() is not None:
+            self.proposer.model_inputs.reset_model_inputs()
+        self.share_inputs.reset_share_inputs()
+        if not self.is_kvcache_sleeping:
+            return
+        if self._draft_inputs() is not None:
+            self.proposer.initialize_kv_cache()
+        self.initialize_kv_cache()
+        self.is_kvcache_sleeping = False
+
+
+def _only_kv_cache(tags: str) -> None:
+    if tags.split(",") != ["kv_cache"]:
+        raise NotImplementedError(f"the stand-in models only the 'kv_cache' tag, not {tags!r}")
 
 
 def _get_logger(name, file_name=None):

@@ -1,6 +1,6 @@
 #!/bin/bash
 # fd-cudagraph-plugin on a real GPU through a torch stand-in for Paddle (benchmarks/gpu/README.md).
-# usage, from the project root: bash benchmarks/gpu/run.sh PART...  (setup main pair ctime dispatch fail budget recapture)
+# usage, from the project root: bash benchmarks/gpu/run.sh PART...  (setup main pair ctime dispatch fail budget recapture wakeup)
 # FastDeploy's backend: FD_HARNESS_FASTDEPLOY_BACKEND=PATH/cudagraph_piecewise_backend.py; unset: skipped.
 # Output in $OUT (or /tmp/fdcg_out), rewritten by each call: results.jsonl, summary.txt, stderr.log.
 set -u
@@ -9,7 +9,7 @@ ROOT=$(cd "${FD_HARNESS_REPO:-$HERE/../..}" && pwd)  # the plugin source: the pr
 O=${OUT:-/tmp/fdcg_out}
 PY=${PYTHON:-python3}
 if [ $# -eq 0 ]; then sed -n '2,5p' "$0"; exit 2; fi
-PARTS="setup main pair ctime dispatch fail budget recapture"
+PARTS="setup main pair ctime dispatch fail budget recapture wakeup"
 # Every part is checked before any runs (or the output is truncated): a typo at the end of a
 # long list must not cost the runs before it, nor end in exit 0 with nothing run.
 for part in "$@"; do
@@ -95,6 +95,15 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
     ;;
   recapture)
     run bench_recapture.py recapture --rounds 5
+    ;;
+  wakeup)  # each backend in its own process: a stale graph may fault and lose the CUDA context
+    run bench_wakeup.py wakeup_fd_nan --backend fd
+    run bench_wakeup.py wakeup_plugin_nan --backend plugin
+    run bench_wakeup.py wakeup_fd_nofill --backend fd --fill none
+    run bench_wakeup.py wakeup_plugin_nofill --backend plugin --fill none
+    run bench_wakeup.py wakeup_nosleep_fd_nan --backend fd --no-sleep
+    run bench_wakeup.py wakeup_nosleep_plugin_nan --backend plugin --no-sleep
+    run bench_wakeup.py wakeup_nosleep_fd_nofill --backend fd --no-sleep --fill none
     ;;
   esac
   echo "== $part: $((SECONDS - t0)) s"

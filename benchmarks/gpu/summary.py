@@ -130,12 +130,38 @@ def _recapture_run(j, bits):  # bench_recapture.py
     bits.append(f"diff vs eager {j.get('max_abs_diff_vs_eager_padded')}")
 
 
+def _wakeup_run(j, bits):  # bench_wakeup.py
+    bits.append(
+        f"{j.get('backend')}, {j.get('event')}, freed memory filled with {j.get('freed_fill')}"
+    )
+    captured = j.get("graphs_captured") or {}
+    bits.append(f"graphs first {captured.get('first')}, in wakeup {captured.get('during_wakeup')}")
+    verdict = g(j, "verdict", "after")
+    if isinstance(verdict, dict):
+        bits.append(
+            "after wake-up: " + "; ".join(f"{m} {short(v, 60)}" for m, v in verdict.items())
+        )
+    elif verdict is not None:
+        bits.append("after wake-up: " + short(verdict, 100) + f" ({j.get('fault_at')})")
+    for model in ("target", "draft"):
+        diff = g(j, "after", model, "max_abs_diff_where_finite")
+        if diff is not None:
+            bits.append(f"{model} max finite diff {diff}")
+    bits.append(f"wakeup {j.get('wakeup_s')} s")
+    if g(j, "plugin_recapture", "seconds") is not None:
+        bits.append(f"plugin recapture {round(g(j, 'plugin_recapture', 'seconds'), 3)} s")
+    moved = j.get("moved") or {}
+    bits.append("moved " + ", ".join(f"{k} {v}" for k, v in moved.items()))
+
+
 def line(j):
     tag = j.get("tag") or "?"
     errs = len(j.get("errors") or [])
     bits = []
     if j.get("skipped"):
         bits.append("SKIPPED: " + short(j["skipped"], 90))
+    elif "freed_fill" in j:
+        _wakeup_run(j, bits)
     elif "stale_graphs_after_clear" in j:
         _recapture_run(j, bits)
     elif isinstance(j.get("capture_s"), (int, float)):
