@@ -110,7 +110,8 @@ def test_gpu_run_sh_refuses_an_unknown_part_with_exit_2_before_running_any(parts
     assert done.returncode == 2, done.stdout + done.stderr
     unknown = next(part for part in parts if part != "setup")
     assert done.stderr.splitlines() == [
-        f"unknown part '{unknown}' (parts: setup main pair ctime dispatch fail budget recapture)"
+        f"unknown part '{unknown}' "
+        "(parts: setup main pair ctime dispatch fail budget recapture wakeup)"
     ]
     assert not (tmp_path / "out").exists()
 
