@@ -71,13 +71,13 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
         return
     what = "; ".join(f"rank {rank}: {moved.summary(names)}" for rank, names in where.items())
     if not servable or not seam.can_serve(runner):
-        _release(backends, event, what)
+        _release(worker, backends, event, what)
         return
-    _recapture(backends, runner, event, what or f"graphs released after {worker.stale_after}")
+    what = what or f"graphs released after {worker.stale_after}"
+    _recapture(worker, backends, runner, event, what)
 
 
-def _release(backends: list[Any], event: str, what: str) -> None:
-    worker = process.current()
+def _release(worker: process.WorkerProcess, backends: list[Any], event: str, what: str) -> None:
     if any(b.has_graphs() for b in backends):
         logger.warning(
             "After %s, memory that CUDA graphs read has moved (%s). The plugin released every "
@@ -92,8 +92,9 @@ def _release(backends: list[Any], event: str, what: str) -> None:
     worker.stale_after = worker.stale_after or event
 
 
-def _recapture(backends: list[Any], runner: Any, event: str, what: str) -> None:
-    worker = process.current()
+def _recapture(
+    worker: process.WorkerProcess, backends: list[Any], runner: Any, event: str, what: str
+) -> None:
     prefill = any(b.has_graphs(prefill=True) for b in backends)
     if worker.stale_after is not None and not any(b.has_graphs() for b in backends):
         logger.info("After %s, the plugin captures the %s again.", event, what)
