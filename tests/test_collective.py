@@ -50,6 +50,8 @@ TWO_RANKS = (
     "moved-on-one-rank@1",
     "moved-between-steps-on-one-rank@0",
     "lifecycle-call-fails@1",
+    "wakeup-fails-on-one-rank-then-retried@1",
+    "clear-fails-on-one-rank-then-retried@1",
     *(f"{fault}-tcp@{rank}" for fault in ("capture-oom", "never-joins") for rank in (0, 1)),
 )
 FOUR_RANKS = ("capture-oom@2",)
@@ -327,3 +329,17 @@ def test_a_lifecycle_call_that_raises_on_one_rank_stops_the_others_without_waiti
     assert healthy["outcome"] == "CaptureError", healthy
     assert "rank 1" in healthy["message"] and "out of memory" in healthy["message"]
     assert healthy["seconds"] < SCENARIO_LIMIT_S
+
+
+@pytest.mark.parametrize(
+    "name", ["wakeup-fails-on-one-rank-then-retried@1", "clear-fails-on-one-rank-then-retried@1"]
+)
+def test_a_lifecycle_call_that_failed_on_one_rank_can_be_retried_on_every_rank(two, name):
+    healthy, failed = two[name]
+    assert [f["outcome"] for f in (healthy, failed)] == ["ok", "ok"], (healthy, failed)
+    assert failed["first"].startswith("RuntimeError") and "out of memory" in failed["first"]
+    assert healthy["first"].startswith("CaptureError") and "rank 1" in healthy["first"]
+    for facts in (healthy, failed):  # the same retry works on every rank, on graphs again
+        assert facts["retry"] == "ok" and facts["graphs"], facts
+        assert facts["equals_eager"] and facts["replayed"] == 1, facts
+        assert facts["seconds"] < SCENARIO_LIMIT_S, facts

@@ -69,9 +69,15 @@ class Deployment:
             checkpoint[name] = value * scale
 
 
-def start(mtp: bool, prefill: bool = True, **load: Any) -> Deployment:
-    """FastDeploy's start-up: profile run, KV caches for the final block count, capture."""
-    config = make_config(4, speculative=MTP if mtp else None, dynamic_load_weight=True)
+def start(
+    mtp: bool, prefill: bool = True, graph: dict | None = None, weights: bool = True, **load: Any
+) -> Deployment:
+    """FastDeploy's start-up: profile run, KV caches for the final block count, capture.
+    ``graph``: graph-optimization settings; ``weights``: FastDeploy's dynamic weight manager
+    (the stand-in runs level 0 with it, as ``dynamic_load_weight`` needs)."""
+    config = make_config(
+        4, speculative=MTP if mtp else None, dynamic_load_weight=weights, **(graph or {})
+    )
     config.graph_opt_config.draft_model_use_cudagraph = True
     for name, value in load.items():
         setattr(config.load_config, name, value)
@@ -263,6 +269,119 @@ def test_waking_up_the_weights_alone_while_the_kv_cache_sleeps_is_refused_as_fas
     d.worker.sleep(tags="weight,kv_cache")
     with pytest.raises(RuntimeError, match=r"Please wake up \[kv_cache\] first"):
         d.worker.wakeup(tags="weight")
+
+
+# ------------------------------------------------------------------ Paddle-managed graphs, failures
+
+STATIC_FULL = {"graph_opt_level": 1, "full_cuda_graph": True}
+STATIC_SPLIT = {"graph_opt_level": 1, "full_cuda_graph": False, "max_capture_shape_prefill": 16}
+
+
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+def test_paddle_managed_decode_graphs_are_released_at_sleep_and_captured_again_at_wakeup(
+    fd_version, plugin_registered
+):
+    d = start(mtp=False, graph=STATIC_FULL, weights=False)
+    (backend,) = d.backends()
+    assert backend.stats()["static_full_decode"] == "static"  # Paddle-managed graphs
+    captures = backend.captures
+    d.worker.sleep(tags="kv_cache")
+    assert not backend.has_graphs()  # they read the freed caches, as the plugin's own would
+    d.worker.wakeup(tags="kv_cache")
+    assert backend.captures > captures and backend.has_graphs()
+    captures = backend.captures
+    d.worker.wakeup(tags="kv_cache")  # nothing asleep: rope_emb moves all the same
+    assert backend.captures > captures
+
+
+@pytest.mark.parametrize("fd_version", SLEEP_RELEASES, indirect=True)
+def test_static_split_prefill_graphs_released_at_sleep_are_captured_again_at_wakeup(
+    fd_version, plugin_registered
+):
+    d = start(mtp=False, graph=STATIC_SPLIT, weights=False)
+    (backend,) = d.backends()
+    assert backend.has_graphs(prefill=True)
+    d.worker.sleep(tags="kv_cache")
+    assert not backend.has_graphs(prefill=True)
+    d.worker.wakeup(tags="kv_cache")
+    assert backend.has_graphs(prefill=True)
+    d.runner.execute_step(8, exist_prefill=True)
+    assert "late_capture" not in backend.stats()["eager_fallbacks"]
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_an_interrupt_inside_a_lifecycle_call_leaves_the_next_calls_checked(
+    fd_version, plugin_registered, monkeypatch
+):
+    d = start(mtp=False)
+    reset = d.runner.share_inputs.reset_share_inputs
+    calls = []
+
+    def interrupted_once() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        reset()
+
+    monkeypatch.setattr(d.runner.share_inputs, "reset_share_inputs", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        d.worker.wakeup(tags="kv_cache")
+    d.worker.sleep(tags="kv_cache")
+    assert not any(b.has_graphs() for b in d.backends())  # the check after sleep still ran
+    d.worker.wakeup(tags="kv_cache")
+    d.prefill(seed=3)
+    serves_like_eager_on_graphs(d, mtp=False)
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+@MODELS
+def test_a_recapture_that_fails_leaves_steps_eager_and_a_retried_wakeup_captures(
+    fd_version, plugin_registered, mtp, monkeypatch
+):
+    from fd_cudagraph_plugin.core import seam
+
+    d = start(mtp)
+    d.worker.sleep(tags="kv_cache")
+    loops = seam.capture_loops
+
+    def failing(runner, prefill):
+        def capture_model() -> None:
+            raise RuntimeError("CUDA error(2): out of memory")
+
+        return [capture_model]
+
+    monkeypatch.setattr(seam, "capture_loops", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        d.worker.wakeup(tags="kv_cache")
+    d.prefill(seed=3)
+    replays = d.replays()
+    assert mismatches(d, STEPS[mtp]) == [] and d.replays() == replays  # eager, and right
+    monkeypatch.setattr(seam, "capture_loops", loops)
+    d.worker.wakeup(tags="kv_cache")  # the operator retries
+    serves_like_eager_on_graphs(d, mtp)
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_a_lifecycle_call_that_fails_releases_the_graphs_whatever_it_moved_first(
+    fd_version, plugin_registered, monkeypatch
+):
+    d = start(mtp=False)
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("CUDA error(2): out of memory")
+
+    # update_parameters without the clear before it: new weights and inputs, then the KV cache
+    # fails; FastDeploy never gets to its capture, and the graphs would read the old weights.
+    monkeypatch.setattr(d.runner, "initialize_kv_cache", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        d.runner.update_parameters(pid=0)
+    assert not any(b.has_graphs() for b in d.backends())
+    replays = d.replays()
+    assert mismatches(d, STEPS[False]) == [] and d.replays() == replays
+    monkeypatch.undo()
+    d.runner.update_parameters(pid=0)
+    d.prefill(seed=3)
+    serves_like_eager_on_graphs(d, mtp=False)
 
 
 # ------------------------------------------------------------------ what no lifecycle call names

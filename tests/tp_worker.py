@@ -412,15 +412,15 @@ for _name in ("equal-plans", "capture-oom", "never-joins"):
 # ------------------------------------------------------------------- memory that moves (issue 30)
 
 
-def _serving(rank: Rank) -> tuple[Any, Any, Any]:
+def _serving(rank: Rank, strategy: str = "rsync") -> tuple[Any, Any, Any]:
     """FastDeploy's start-up with a model that reads the KV cache and rope_emb (graph_reads.py),
-    RL weights over rsync: the runner, its worker and the backend."""
+    RL weights over ``strategy``: the runner, its worker and the backend."""
     from fastdeploy.worker.gpu_model_runner import GPUModelRunner
     from fastdeploy.worker.gpu_worker import GpuWorker
     from graph_reads import DecoratedKV, prefill
 
     config = tp_config(rank, 4, cudagraph_capture_sizes=[4, 2, 1], dynamic_load_weight=True)
-    config.load_config.load_strategy = "rsync"
+    config.load_config.load_strategy = strategy
     model = DecoratedKV(fd_config=config)
     runner = GPUModelRunner(config, model)
     worker = GpuWorker(config, runner)
@@ -483,6 +483,63 @@ def lifecycle_call_fails(rank: Rank) -> dict[str, Any]:
 
 def _raise_oom(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError(OOM)
+
+
+def _attempt(call: Callable[[], object]) -> str:
+    """``ok``, or the error's type and text."""
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def _retried(runner: Any, backend: Any, retry: Callable[[], object]) -> dict[str, Any]:
+    return {"retry": _attempt(retry), "graphs": backend.has_graphs(), **_served(runner, backend)}
+
+
+@scenario("wakeup-fails-on-one-rank-then-retried")
+def wakeup_fails_then_retried(rank: Rank) -> dict[str, Any]:
+    """Weights and KV asleep; the faulty rank's weight reload runs out of memory while the other
+    captures; then every rank wakes the weights up again."""
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "5"):
+        runner, worker, backend = _serving(rank, "ipc_snapshot")
+        worker.sleep(tags="kv_cache")  # the plugin releases the graphs
+        worker.sleep(tags="weight")
+        manager = runner.dynamic_weight_manager
+        if rank.faulty:
+            manager.reload_model_weights = _raise_oom
+        first = _attempt(lambda: worker.wakeup(tags="weight,kv_cache"))
+        if rank.faulty:
+            del manager.reload_model_weights
+        prefill_caches(runner)
+        return {"first": first, **_retried(runner, backend, lambda: worker.wakeup(tags="weight"))}
+
+
+@scenario("clear-fails-on-one-rank-then-retried")
+def clear_fails_then_retried(rank: Rank) -> dict[str, Any]:
+    """The faulty rank's clear_parameters fails before anything is cleared; then every rank
+    clears and updates again."""
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "5"):
+        runner, _worker, backend = _serving(rank, "ipc_snapshot")
+        if rank.faulty:
+            runner._clear_graphs = _raise_oom
+        first = _attempt(lambda: runner.clear_parameters(pid=0))
+        if rank.faulty:
+            del runner._clear_graphs
+
+        def again() -> None:
+            runner.clear_parameters(pid=0)
+            runner.update_parameters(pid=0)
+            prefill_caches(runner)
+
+        return {"first": first, **_retried(runner, backend, again)}
+
+
+def prefill_caches(runner: Any) -> None:
+    from graph_reads import prefill
+
+    prefill(runner.share_inputs["caches"], 3)
 
 
 # ---------------------------------------------------------------------------------- driver

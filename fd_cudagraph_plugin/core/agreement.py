@@ -297,6 +297,7 @@ class Agreement:
     def stop(self, error: CaptureError) -> CaptureError:
         """Every rank reached the same verdict outside a point (a plan mismatch, a self-check it
         agreed on): the session stops with ``error``."""
+        error.agreed = True
         self.failure = error
         return error
 
@@ -330,6 +331,7 @@ class Agreement:
         if error is None and kind is not None:
             shared, error = _read(agreed, label, kind)
         if error is not None:
+            error.agreed = True
             self.failure = error
             if local is not None:
                 raise error from local

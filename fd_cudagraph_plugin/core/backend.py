@@ -28,7 +28,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fd_cudagraph_plugin.core import agreement, hooks, moved, observability, process, seam
+from fd_cudagraph_plugin.core import (
+    agreement,
+    hooks,
+    lifecycle,
+    moved,
+    observability,
+    process,
+    seam,
+)
 from fd_cudagraph_plugin.core.capture import Capturer
 from fd_cudagraph_plugin.core.dispatch import EAGER, REPLAY, VERIFY, Dispatcher
 from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
@@ -329,18 +337,16 @@ class CudaGraphBackend:
         ranks = [rank for rank, fine in enumerate(said) if not fine]
         logger.warning(
             "CUDA graph backend %#x (%s): at the first %s step since a lifecycle call, inputs "
-            "of its graph are not where the capture saw them (rank %s%s). The plugin released "
-            "every graph: steps run without graphs until capture_model() runs again.",
+            "of its graph are not where the capture saw them (rank %s%s).",
             id(self),
             self.role,
             entry.key,
             ", ".join(map(str, ranks)),
             f"; here: {moved.summary(local)}" if local else "",
         )
-        self.clear_graph()
-        for backend in self._worker.backends():
-            backend.dispatcher.stale = True
-        self._worker.stale_after = self._worker.stale_after or "a lifecycle call"
+        lifecycle.release(
+            self._worker, self._worker.backends(), "a lifecycle call", "an input of a graph moved"
+        )
         return False
 
     # ------------------------------------------------------------------ lifecycle

@@ -95,13 +95,12 @@ class Capturer:
         """Warm up (``warmups`` eager runs) and capture ``key``. Raises the agreed
         ``CaptureError`` when this or any other rank failed; then nothing was captured.
         ``ordered``: hold decode captures to the plan's order (every capture but a probe's)."""
-        addresses: tuple[tuple[str, int], ...] = ()
-        if not key.static:
-            from fd_cudagraph_plugin.core import guards  # imports Paddle
+        from fd_cudagraph_plugin.core import guards  # imports Paddle
 
-            # Before the model runs: from 2.6 the attention backend may rebind
-            # forward_meta.rotary_embs during the forward; a step is compared at its entry.
-            addresses = guards.input_addresses(kwargs)
+        # Before the model runs: from 2.6 the attention backend may rebind forward_meta.rotary_embs
+        # during the forward; a step is compared at its entry. Paddle-managed graphs read fixed
+        # addresses too.
+        addresses = guards.input_addresses(kwargs)
         if not self.runtime.warmed:
             # Capturing a cold model fails: libraries initialise lazily (cuBLAS raised
             # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.

@@ -36,6 +36,8 @@ class CaptureError(CudaGraphPluginError, RuntimeError):
         self.missing_ranks = missing_ranks
         #: A rank ran out of device memory.
         self.out_of_memory = out_of_memory
+        #: Every rank raised it at one agreement point (``agreement.py`` sets it).
+        self.agreed = False
 
 
 class RankMismatchError(CaptureError):

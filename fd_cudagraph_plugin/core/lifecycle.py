@@ -39,18 +39,26 @@ MOVED = ListOf(Text(300), 64)
 
 
 def after(event: str, runner: Any, servable: bool, failed: BaseException | None = None) -> None:
-    """The lifecycle call ``event`` of ``runner`` returned (or raised ``failed``)."""
+    """The lifecycle call ``event`` of ``runner`` returned (or raised ``failed``).
+
+    Every rank with backends meets here after every call, whatever its own state: a rank that
+    skipped the point would leave the others waiting, or meet their next one. The exception is a
+    call that raised an error every rank already agreed on (a capture session inside it failed):
+    each rank raised it at the same point, and meeting again would put this one a point ahead."""
     worker = process.current()
     backends = worker.backends()
+    if not backends:
+        return
     for backend in backends:
         backend.suspect()
-    captured = [b for b in backends if b.fingerprint is not None and b.has_graphs()]
-    if not captured and worker.stale_after is None:
+    if failed is not None and _agreed(failed):
+        release(worker, backends, event, f"{event} failed on a rank")
         return
     fd_config = getattr(runner, "fd_config", None) or backends[0].fd_config
     link = link_for(fd_config, worker.options)
     link.next_epoch()
     points = Agreement(link, worker.options.rank_timeout, None)
+    captured = [b for b in backends if b.fingerprint is not None and b.has_graphs()]
 
     def local() -> list[str]:
         if failed is not None:
@@ -63,6 +71,8 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
     try:
         said = points.share(f"after {event}", None, None, local, MOVED)
     except Exception:
+        # What the call moved before it failed is unknown: no graph stays to replay it.
+        release(worker, backends, event, f"{event} failed on a rank")
         if failed is not None:
             raise failed from None  # this rank's own error; the others raise the agreed one
         raise
@@ -71,20 +81,36 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
         return
     what = "; ".join(f"rank {rank}: {moved.summary(names)}" for rank, names in where.items())
     if not servable or not seam.can_serve(runner):
-        _release(worker, backends, event, what)
+        release(worker, backends, event, f"memory that CUDA graphs read has moved ({what})")
         return
-    what = what or f"graphs released after {worker.stale_after}"
     _recapture(worker, backends, runner, event, what)
 
 
-def _release(worker: process.WorkerProcess, backends: list[Any], event: str, what: str) -> None:
+def _agreed(error: BaseException) -> bool:
+    """``error``, or one it was raised from (FastDeploy rewraps some), came from an agreement."""
+    for _ in range(8):
+        if getattr(error, "agreed", False):
+            return True
+        error = error.__cause__ or error.__context__
+        if error is None:
+            return False
+    return False
+
+
+def release(worker: process.WorkerProcess, backends: list[Any], event: str, why: str) -> None:
+    """Release every graph of the process (every rank does, at the same point): decode steps
+    run eagerly as ``memory_moved`` until a capture session, which the next call that can serve
+    runs (``_recapture``), prefill graphs included when there were some."""
     if any(b.has_graphs() for b in backends):
+        worker.stale_prefill = worker.stale_prefill or any(
+            b.has_graphs(prefill=True) for b in backends
+        )
         logger.warning(
-            "After %s, memory that CUDA graphs read has moved (%s). The plugin released every "
-            "graph: decode steps run without graphs until a call that can serve again (wakeup, "
-            "update_parameters) or capture_model() captures them.",
+            "After %s, %s. The plugin released every graph: steps run without graphs until a "
+            "call that can serve again (wakeup, update_parameters) or capture_model() captures "
+            "them.",
             event,
-            what,
+            why,
         )
         backends[0].clear_graph()
     for backend in backends:
@@ -95,10 +121,8 @@ def _release(worker: process.WorkerProcess, backends: list[Any], event: str, wha
 def _recapture(
     worker: process.WorkerProcess, backends: list[Any], runner: Any, event: str, what: str
 ) -> None:
-    prefill = any(b.has_graphs(prefill=True) for b in backends)
-    if worker.stale_after is not None and not any(b.has_graphs() for b in backends):
-        logger.info("After %s, the plugin captures the %s again.", event, what)
-    else:
+    prefill = worker.stale_prefill or any(b.has_graphs(prefill=True) for b in backends)
+    if what:
         logger.info(
             "After %s, memory that CUDA graphs read has moved (%s), and FastDeploy did not "
             "capture again: the plugin releases the graphs and captures them on the memory as "
@@ -106,6 +130,9 @@ def _recapture(
             event,
             what,
         )
+    else:
+        what = f"graphs released after {worker.stale_after}"
+        logger.info("After %s, the plugin captures the %s again.", event, what)
     if any(b.has_graphs() for b in backends):
         backends[0].clear_graph()
     worker.stale_after = worker.stale_after or event
@@ -119,6 +146,7 @@ def _recapture(
     finally:
         worker.recapture_cause = ""
     worker.stale_after = None
+    worker.stale_prefill = False
 
 
 def wrap(method: Callable, event: str, servable: bool) -> Callable:
@@ -134,6 +162,9 @@ def wrap(method: Callable, event: str, servable: bool) -> Callable:
             worker.lifecycle_depth -= 1
             if worker.lifecycle_depth == 0:
                 after(event, _runner_of(owner), servable, failed=error)
+            raise
+        except BaseException:  # an interrupt: the process is going down; keep the count true
+            worker.lifecycle_depth -= 1
             raise
         worker.lifecycle_depth -= 1
         if worker.lifecycle_depth == 0:

@@ -68,6 +68,8 @@ class WorkerProcess:
         #: The lifecycle call after which the plugin released the graphs for memory that moved,
         #: until they are captured again (lifecycle.py).
         self.stale_after: str | None = None
+        #: Prefill graphs were among those released: the recapture runs the prefill loop too.
+        self.stale_prefill = False
         #: Why the plugin runs the capture loops itself, while it does: the summary line says it.
         self.recapture_cause = ""
 

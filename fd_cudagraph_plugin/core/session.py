@@ -561,6 +561,8 @@ class CaptureSession:
         report = self.report
         report.warmup_note = warmups.note(report, self.members)
         self.process.stale_after = None
+        if self.phase == "prefill":
+            self.process.stale_prefill = False
         report.cause = self.process.recapture_cause
         if self.runner is not None and report.records:
             for member in self.members:
