@@ -50,6 +50,7 @@ TWO_RANKS = (
     "moved-on-one-rank@1",
     "moved-between-steps-on-one-rank@0",
     "lifecycle-call-fails@1",
+    "cannot-serve-on-one-rank@1",
     "wakeup-fails-on-one-rank-then-retried@1",
     "clear-fails-on-one-rank-then-retried@1",
     *(f"{fault}-tcp@{rank}" for fault in ("capture-oom", "never-joins") for rank in (0, 1)),
@@ -343,3 +344,12 @@ def test_a_lifecycle_call_that_failed_on_one_rank_can_be_retried_on_every_rank(t
         assert facts["retry"] == "ok" and facts["graphs"], facts
         assert facts["equals_eager"] and facts["replayed"] == 1, facts
         assert facts["seconds"] < SCENARIO_LIMIT_S, facts
+
+
+def test_when_one_rank_cannot_capture_after_a_lifecycle_call_no_rank_captures_alone(two):
+    facts = two["cannot-serve-on-one-rank@1"]
+    assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
+    for f in facts:  # the same on both: released, served eagerly and right, nothing captured
+        assert f["captured_again"] == 0 and f["replayed"] == 0 and f["equals_eager"], f
+        assert f["eager_fallbacks"] == {"memory_moved": 1}, f
+        assert f["seconds"] < SCENARIO_LIMIT_S, f

@@ -485,6 +485,19 @@ def _raise_oom(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError(OOM)
 
 
+@scenario("cannot-serve-on-one-rank")
+def cannot_serve_on_one_rank(rank: Rank) -> dict[str, Any]:
+    """A wake-up with nothing asleep moves rope_emb on every rank, but the faulty rank's runner
+    says its weights sleep (it could not capture): no rank captures alone; every rank releases."""
+    runner, worker, backend = _serving(rank)
+    captures = backend.captures
+    if rank.faulty:
+        runner.is_weight_sleeping = True
+    worker.wakeup(tags="kv_cache")
+    runner.is_weight_sleeping = False
+    return {"captured_again": backend.captures - captures, **_served(runner, backend)}
+
+
 def _attempt(call: Callable[[], object]) -> str:
     """``ok``, or the error's type and text."""
     try:

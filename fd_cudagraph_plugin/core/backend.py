@@ -286,14 +286,13 @@ class CudaGraphBackend:
         """Note where the graphs captured now read memory (a capture session ended); return what
         moved since the last fingerprint (None: this is the first): why a recapture was needed,
         or that none was."""
-        pointers = moved.pointers_of(a for e in self.table.all() for a in e.addresses)
-        allreduce = seam.custom_allreduce()
         before, self.fingerprint = (
             self.fingerprint,
-            moved.Fingerprint(
-                moved.parameters(self.layer),
-                moved.read_buffers(seam.input_buffers(runner), pointers),
-                id(allreduce) if allreduce is not None else None,
+            moved.at_capture(
+                self.layer,
+                seam.input_buffers(runner),
+                (a for e in self.table.all() for a in e.addresses),
+                seam.custom_allreduce(),
             ),
         )
         return before.moved(self.fingerprint) if before is not None else None
@@ -302,13 +301,8 @@ class CudaGraphBackend:
         """What the graphs read that is no longer where it was at their capture."""
         if self.fingerprint is None:
             return []
-        allreduce = seam.custom_allreduce()
-        now = moved.Fingerprint(
-            moved.parameters(self.layer),
-            moved.same_buffers(
-                seam.input_buffers(runner), (name for name, _ in self.fingerprint.buffers)
-            ),
-            id(allreduce) if allreduce is not None else None,
+        now = moved.now(
+            self.fingerprint, self.layer, seam.input_buffers(runner), seam.custom_allreduce()
         )
         return self.fingerprint.moved(now)
 
@@ -323,11 +317,8 @@ class CudaGraphBackend:
         saw them on every rank (agreed: ranks must not mix replays and eager steps), or every
         graph of the process is released and steps run eagerly until the next capture."""
         from fd_cudagraph_plugin.core import guards
-        from fd_cudagraph_plugin.core.session import link_for
 
-        link = link_for(self.fd_config, self._worker.options)
-        link.next_epoch()
-        points = agreement.Agreement(link, self.settings.options.rank_timeout, None)
+        points = lifecycle.point(self._worker, self.fd_config)
         local = guards.moved_inputs(entry.addresses, kwargs)
         said = points.share("inputs in place", self, entry.key, lambda: not local, Bool())
         if all(said):

@@ -29,13 +29,18 @@ from typing import Any
 
 from fd_cudagraph_plugin.core import moved, process, seam
 from fd_cudagraph_plugin.core.agreement import Agreement
-from fd_cudagraph_plugin.core.messages import ListOf, Text, text
+from fd_cudagraph_plugin.core.messages import Moved, Of, text
 from fd_cudagraph_plugin.core.session import link_for
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
-#: What one rank says moved, as sent to the others.
-MOVED = ListOf(Text(300), 64)
+
+def point(worker: process.WorkerProcess, fd_config: Any) -> Agreement:
+    """One agreement point outside a capture session (after a lifecycle call, or at a graph's
+    first replay after one), in an epoch of its own: every rank meets it at the same call."""
+    link = link_for(fd_config, worker.options)
+    link.next_epoch()
+    return Agreement(link, worker.options.rank_timeout, None)
 
 
 def after(event: str, runner: Any, servable: bool, failed: BaseException | None = None) -> None:
@@ -54,33 +59,32 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
     if failed is not None and _agreed(failed):
         release(worker, backends, event, f"{event} failed on a rank")
         return
-    fd_config = getattr(runner, "fd_config", None) or backends[0].fd_config
-    link = link_for(fd_config, worker.options)
-    link.next_epoch()
-    points = Agreement(link, worker.options.rank_timeout, None)
+    points = point(worker, getattr(runner, "fd_config", None) or backends[0].fd_config)
     captured = [b for b in backends if b.fingerprint is not None and b.has_graphs()]
 
-    def local() -> list[str]:
+    def local() -> Moved:
         if failed is not None:
             raise failed
         found = []
         for backend in captured:
             found += [f"{backend.role} {name}" for name in backend.moved_since_capture(runner)]
-        return [text(name, 300) for name in found[:64]]
+        names = [text(name, 300) for name in found[:64]]
+        return Moved(names=names, can_serve=servable and seam.can_serve(runner))
 
     try:
-        said = points.share(f"after {event}", None, None, local, MOVED)
+        said = points.share(f"after {event}", None, None, local, Of(Moved))
     except Exception:
         # What the call moved before it failed is unknown: no graph stays to replay it.
         release(worker, backends, event, f"{event} failed on a rank")
         if failed is not None:
             raise failed from None  # this rank's own error; the others raise the agreed one
         raise
-    where = {rank: names for rank, names in enumerate(said) if names}
+    where = {rank: found.names for rank, found in enumerate(said) if found.names}
     if not where and worker.stale_after is None:
         return
     what = "; ".join(f"rank {rank}: {moved.summary(names)}" for rank, names in where.items())
-    if not servable or not seam.can_serve(runner):
+    # Whether to capture is decided on every rank alike: a capture session is a collective.
+    if not all(found.can_serve for found in said):
         release(worker, backends, event, f"memory that CUDA graphs read has moved ({what})")
         return
     _recapture(worker, backends, runner, event, what)

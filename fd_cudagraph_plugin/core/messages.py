@@ -15,7 +15,8 @@ The classes, by who sends them:
 * the server to a rank: ``Welcome``, ``Refused``, ``Outcome`` (one per point, the same for every
   rank), ``Dropped`` (the server stopped counting this rank, and why), ``ServerFailed``;
 * the payloads ranks share at points: ``PlanPayload`` (with ``Unwarmed``), ``RankMemory`` (the
-  memory figures at a session's end), a verdict text (``VERDICT``) and a flag (``FLAG``).
+  memory figures at a session's end), ``Moved`` (after a lifecycle call), a verdict text
+  (``VERDICT``) and a flag (``FLAG``).
 """
 
 from __future__ import annotations
@@ -307,6 +308,15 @@ class Unwarmed(Message):
 
     decode: list[int] = field(metadata=checks(ListOf(Int(1, 1 << 20), 4096)))
     prefill: list[int] = field(metadata=checks(ListOf(Int(1, 1 << 20), 4096)))
+
+
+@dataclass(frozen=True)
+class Moved(Message):
+    """What one rank found after a lifecycle call (``lifecycle.py``): what its graphs read that
+    moved, and whether its model can serve (and so capture) now."""
+
+    names: list[str] = field(metadata=checks(ListOf(Text(300), 64)))
+    can_serve: bool = field(metadata=checks(Bool()))
 
 
 _SCALAR = (type(None), bool, int, float, str)

@@ -47,41 +47,48 @@ def _differ(before: tuple[Place, ...], now: tuple[Place, ...]) -> list[str]:
     return [name for name, pointer in before if current.get(name) != pointer]
 
 
-def place(name: str, tensor: Any) -> Place:
-    try:
-        pointer = int(tensor.data_ptr())
-    except Exception:  # a tensor whose memory was released (Paddle's _clear_data) has none
-        pointer = 0
-    return name, pointer
+def at_capture(
+    layer: Any, buffers: Iterable[tuple[str, Any]], read: Iterable[tuple[str, int]], allreduce: Any
+) -> Fingerprint:
+    """The fingerprint of graphs just captured: ``read`` holds the input addresses the graphs
+    were captured with; the runner ``buffers`` at one of them are what the graphs read."""
+    pointers = {pointer for _, pointer in read if pointer}
+    return Fingerprint(
+        _parameters(layer),
+        tuple((name, p) for name, t in buffers if (p := _pointer(t)) in pointers),
+        _identity(allreduce),
+    )
 
 
-def parameters(layer: Any) -> tuple[Place, ...]:
+def now(
+    before: Fingerprint, layer: Any, buffers: Iterable[tuple[str, Any]], allreduce: Any
+) -> Fingerprint:
+    """Where what ``before`` names is now (a buffer that is gone is left out: it shows as
+    moved)."""
+    wanted = {name for name, _ in before.buffers}
+    return Fingerprint(
+        _parameters(layer),
+        tuple((name, _pointer(t)) for name, t in buffers if name in wanted),
+        _identity(allreduce),
+    )
+
+
+def _parameters(layer: Any) -> tuple[Place, ...]:
     named = getattr(layer, "named_parameters", None)
     if named is None:
         return ()
-    return tuple(place(name, p) for name, p in named())
-
-
-def read_buffers(buffers: Iterable[tuple[str, Any]], pointers: set[int]) -> tuple[Place, ...]:
-    """The runner buffers at an address a graph was captured reading."""
-    return tuple(place(name, t) for name, t in buffers if pointers and _pointer(t) in pointers)
-
-
-def same_buffers(buffers: Iterable[tuple[str, Any]], names: Iterable[str]) -> tuple[Place, ...]:
-    """The buffers of these names now (one that is gone is left out, so it shows as moved)."""
-    wanted = set(names)
-    return tuple(place(name, t) for name, t in buffers if name in wanted)
+    return tuple((name, _pointer(p)) for name, p in named())
 
 
 def _pointer(tensor: Any) -> int:
     try:
         return int(tensor.data_ptr())
-    except Exception:
+    except Exception:  # a tensor whose memory was released (Paddle's _clear_data) has none
         return 0
 
 
-def pointers_of(addresses: Iterable[tuple[str, int]]) -> set[int]:
-    return {pointer for _, pointer in addresses if pointer}
+def _identity(allreduce: Any) -> int | None:
+    return id(allreduce) if allreduce is not None else None
 
 
 def summary(names: list[str], most: int = 3) -> str:
@@ -110,4 +117,4 @@ def _is_tensor(value: Any) -> bool:
     return callable(getattr(type(value), "data_ptr", None))
 
 
-__all__ = ["Fingerprint", "Place", "parameters", "read_buffers", "same_buffers", "summary"]
+__all__ = ["Fingerprint", "Place", "at_capture", "now", "summary", "tensors_in"]

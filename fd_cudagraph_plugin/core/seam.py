@@ -21,6 +21,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fd_cudagraph_plugin.core.moved import tensors_in
+
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 BACKEND_MODULE = "fastdeploy.model_executor.graph_optimization.graph_optimization_backend"
@@ -358,8 +360,6 @@ def input_buffers(runner: Any) -> list[tuple[str, Any]]:
     """``(name, tensor)`` of the runner's input buffers and the MTP draft's: ``share_inputs``
     and ``proposer.model_inputs`` (a dict on 2.4, an ``InputBatch`` object from 2.5), each
     tensor of a list (the KV ``caches``) on its own."""
-    from fd_cudagraph_plugin.core.moved import tensors_in
-
     found = list(tensors_in("share_inputs.", getattr(runner, "share_inputs", None)))
     proposer = getattr(runner, "proposer", None)
     found += tensors_in("proposer.model_inputs.", getattr(proposer, "model_inputs", None))
