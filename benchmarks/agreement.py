@@ -1,16 +1,16 @@
-"""What the tensor-parallel ranks' agreement costs in the healthy case: two CPU ranks, 36 sizes.
+"""What the tensor-parallel ranks' agreement costs in the healthy case: 2 and 4 CPU ranks, 36 sizes.
 
-It launches two ranks with ``paddle.distributed.launch`` (gloo), each running FastDeploy's
+It launches the ranks with ``paddle.distributed.launch`` (gloo), each running FastDeploy's
 ``capture_model()`` (the stand-in runner) over 36 sizes, with a custom all-reduce stand-in whose
 registration is a real ``all_gather_object`` over the TP group, as FastDeploy's is. Rounds
 alternate two arms in the same processes:
 
 * ``agreement``: the plugin as it ships: every agreement point goes through TP rank 0's server;
 * ``no agreement``: the same sessions with a link that answers at once without asking the other
-  rank, which is what capturing without agreement points costs (the registrations still
-  synchronise the ranks once per graph, as FastDeploy's own backend does).
+  ranks, which is what capturing without agreement points costs (the session's one registration
+  still synchronises the ranks, at its end).
 
-    python benchmarks/agreement.py [--rounds 7] [--eager-ms 0]
+    python benchmarks/agreement.py [--rounds 7] [--ranks 2 4]
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def rank_main(args: argparse.Namespace) -> int:
 
     from fd_cudagraph_plugin import plugin
     from fd_cudagraph_plugin.core import process, runtime, session
-    from fd_cudagraph_plugin.core.channel import Agreed
-    from fd_cudagraph_plugin.core.messages import Outcome
+    from fd_cudagraph_plugin.core.ranks.link import Agreed
+    from fd_cudagraph_plugin.core.ranks.messages import Outcome
 
     dist.init_parallel_env()
     world, index = dist.get_world_size(), dist.get_rank()
@@ -55,7 +55,7 @@ def rank_main(args: argparse.Namespace) -> int:
         def __init__(self, rank: int, world: int) -> None:
             self.rank, self.world = rank, world
 
-        def next_epoch(self) -> int:
+        def next_epoch(self, timeout: float = 0.0) -> int:
             return 0
 
         def agree(self, label, status, timeout):
@@ -116,29 +116,34 @@ def _options():
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
         return rank_main(args)
+    return max(_measure(world, args.rounds) for world in args.ranks)
+
+
+def _measure(world: int, rounds: int) -> int:
     with tempfile.TemporaryDirectory() as out:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         command = [
-            sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+            sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(world),
             "--log_dir", str(Path(out) / "log"), __file__, "--rank", "--out", out,
-            "--rounds", str(args.rounds),
+            "--rounds", str(rounds),
         ]  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             print(done.stdout[-3000:], done.stderr[-3000:])
             return 1
-        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
     print(
-        f"capture_model() over {len(SIZES)} sizes on 2 CPU ranks (gloo), simulated graphs, "
-        f"median of {args.rounds} interleaved rounds; {ranks[0]['points']} agreement points"
+        f"capture_model() over {len(SIZES)} sizes on {world} CPU ranks (gloo), simulated graphs, "
+        f"median of {rounds} interleaved rounds; {ranks[0]['points']} agreement points"
     )
     for rank, facts in enumerate(ranks):
         times = facts["times"]

@@ -123,27 +123,27 @@ class GlooLink:
 
 
 class ZmqArm:
-    """The plugin's channel as it ships (``core/channel.py``)."""
+    """The plugin's channel as it ships (``core/ranks/``)."""
 
     def __init__(self, rank: int, world: int, name: str, tcp: bool, timeout: float) -> None:
         from paddle.base import core
 
-        from fd_cudagraph_plugin.core import channel, seam
+        from fd_cudagraph_plugin.core.ranks import join
 
         group = list(range(world))
         interface = "127.0.0.1" if tcp else "auto"
-        address = channel.address_for(seam.job_endpoint(), name, group, interface, None)
-        self.link = channel.join(
+        address = join.address_for(group, interface, None)
+        self.link = join.join(
             core.create_or_get_global_tcp_store, name, address, rank, world, timeout
         )
 
     def next_epoch(self) -> None:
-        self.link.next_epoch()
+        self.link.next_epoch(60.0)
 
     def agree(self, label: str, payload: Any, timeout: float) -> dict[str, Any]:
-        from fd_cudagraph_plugin.core.messages import Status
+        from fd_cudagraph_plugin.core.ranks.messages import Status
 
-        agreed = self.link.agree(label, Status(payload=payload), timeout)
+        agreed = self.link.agree(label, Status(payload=json.dumps(payload)), timeout)
         outcome = agreed.outcome
         return {
             "complete": agreed.complete,

@@ -312,8 +312,9 @@ class Buffers:
 
 class PeerLink:
     """An agreement link for one process acting as ``rank`` of ``world``: the other ranks'
-    statuses come from ``peer(rank, label, status)`` (by default the same as this rank's), as the
-    JSON a peer sends (``{"payload": ..., "failure": ...}``), read as the server reads a post."""
+    statuses come from ``peer(rank, label, status)`` (by default the same as this rank's), as
+    plain data (``{"payload": ..., "failure": ...}``, ``msgspec.to_builtins`` of a status), read
+    as strictly as the server reads a post."""
 
     def __init__(self, rank: int = 0, world: int = 2, peer=None) -> None:
         self.rank, self.world = rank, world
@@ -322,28 +323,31 @@ class PeerLink:
         #: (label, this rank's status as JSON), per point.
         self.posted: list[tuple[str, dict]] = []
 
-    def next_epoch(self) -> int:
+    def next_epoch(self, timeout: float = 0.0) -> int:
         return 0
 
     def agree(self, label, status, timeout):
-        from fd_cudagraph_plugin.core.channel import Agreed, malformed
-        from fd_cudagraph_plugin.core.messages import BadMessage, Outcome, Status
+        import msgspec
 
-        mine = status.to_json()
+        from fd_cudagraph_plugin.core.ranks.link import Agreed
+        from fd_cudagraph_plugin.core.ranks.messages import Outcome, Status, malformed
+
+        mine = msgspec.to_builtins(status)
         self.labels.append(label)
         self.posted.append((label, mine))
         statuses = {}
         for r in range(self.world):
             try:
-                statuses[r] = status if r == self.rank else Status.check(self.peer(r, label, mine))
-            except BadMessage as error:
+                peer = self.peer(r, label, mine)
+                statuses[r] = status if r == self.rank else msgspec.convert(peer, Status)
+            except msgspec.ValidationError as error:
                 statuses[r] = malformed(r, label, str(error))
         return Agreed(label, Outcome(key=(0, 0), statuses=statuses))
 
 
 def CaptureSessionForOneRank(config, phase: str = "decode"):
     """A capture session of a TP config that agrees with itself (test_collective has real ranks)."""
-    from fd_cudagraph_plugin.core.channel import LocalLink
+    from fd_cudagraph_plugin.core.ranks.link import LocalLink
     from fd_cudagraph_plugin.core.session import CaptureSession
 
     return CaptureSession(phase, fd_config=config, link=LocalLink())

@@ -24,7 +24,7 @@ def main() -> int:
 
     from fd_cudagraph_plugin.core import observability
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
-    from fd_cudagraph_plugin.core.channel import LocalLink
+    from fd_cudagraph_plugin.core.ranks.link import LocalLink
     from fd_cudagraph_plugin.core.session import CaptureSession
 
     config = make_config(8, cudagraph_capture_sizes=[4, 2, 1], tp=2)

@@ -19,8 +19,8 @@ from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
 
 from fd_cudagraph_plugin.core import budget, process, reserve
 from fd_cudagraph_plugin.core.errors import CaptureError, ConfigError, human_bytes
-from fd_cudagraph_plugin.core.messages import RankMemory
 from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.ranks.messages import RankMemory
 
 MiB = 1 << 20
 GRAPH = 20 * MiB

@@ -161,18 +161,19 @@ def _every_rank_raised_the_same(facts: list[dict], error: str = "CaptureError") 
 
 
 @pytest.mark.parametrize("transport", ["", "-tcp"], ids=["unix socket", "tcp"])
-def test_equal_plans_capture_every_size_and_register_each_graph_on_every_rank(two, transport):
+def test_equal_plans_capture_every_size_and_register_them_once_on_every_rank(two, transport):
     for facts in two[f"equal-plans{transport}"]:
         assert facts["outcome"] == "ok", facts["message"]
         assert facts["captured"] == [8, 4, 2, 1]
-        assert facts["registrations"] == 4  # one all_gather_object per graph, over the group
-        assert facts["agreement_points"] == 1 + 4 * 3 + 1  # plan; warm-up, capture, registration
+        assert facts["registrations"] == 1  # one all_gather_object per session, over the group
+        # plan; warm-up and capture per graph; the registration; the end
+        assert facts["agreement_points"] == 1 + 4 * 2 + 1 + 1
 
 
 def test_thirty_six_sizes_pass_every_agreement_point(two):
     for facts in two["many-sizes"]:
         assert facts["outcome"] == "ok", facts["message"]
-        assert len(facts["captured"]) == 36 and facts["agreement_points"] == 1 + 36 * 3 + 1
+        assert len(facts["captured"]) == 36 and facts["agreement_points"] == 1 + 36 * 2 + 1 + 1
 
 
 def test_a_recapture_warms_each_size_once_on_every_rank(two):
@@ -195,7 +196,6 @@ def test_when_one_rank_has_not_warmed_every_rank_warms_in_full_and_none_hangs(tw
         ("warm-up-oom", "warm-up", OOM),
         ("capture-oom", "capture", OOM),
         ("capture-oom-tcp", "capture", OOM),
-        ("registration-fails", "registration", "cudaIpcOpenMemHandle failed"),
         ("self-check-raises", "self-check", OOM),
     ],
 )
@@ -211,6 +211,17 @@ def test_a_failure_in_one_ranks_capture_of_a_size_stops_every_rank_alike(
     assert cause in message
     assert f"none waits in a collective that rank {rank} will not join" in message
     assert ("restart the worker" in message) == (stage == "capture")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failure_in_one_ranks_registration_of_the_sessions_graphs_stops_every_rank_alike(
+    two, rank
+):
+    message = _every_rank_raised_the_same(two[f"registration-fails@{rank}"])
+    assert f"CUDA graph registration failed on tensor-parallel rank {rank} of 2" in message
+    assert "registering every graph's all-reduce buffers" in message
+    assert "cudaIpcOpenMemHandle failed" in message and "--disable-custom-all-reduce" in message
+    assert f"none waits in a collective that rank {rank} will not join" in message
 
 
 @pytest.mark.parametrize("rank", [0, 1])

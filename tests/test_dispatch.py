@@ -41,6 +41,7 @@ def prepared(config, captured: set[int], disabled: set[int], guard_every=0, gene
             entry.graph = Graph()
             entry.replay = entry.graph.replay
             entry.result = f"graph {size}"
+            entry.registered = True
             if size in disabled:
                 table.disable(entry)
             dispatcher.publish(entry)

@@ -242,7 +242,7 @@ def test_a_tensor_parallel_backend_never_captures_outside_a_session(sim):
 def _rank_one_fails_self_check_at_size_2(rank, label, status):
     if label.startswith("self-check decode size 2"):
         verdict = "CUDA graph self-check failed for decode size 2: output 0 differs"
-        return {"payload": verdict, "failure": None}
+        return {"payload": {"type": "SelfChecks", "failed": {"decode size 2": verdict}}}
     return status
 
 
@@ -270,7 +270,8 @@ def test_tensor_parallel_ranks_act_alike_on_a_self_check_failure_of_another_rank
         "self-check decode size 1 (target)",
     ]
     posted = [status for label, status in link.posted if "self" in label]
-    assert posted and all(status == {"payload": None, "failure": None} for status in posted)
+    passed = {"payload": {"type": "SelfChecks", "failed": {}}, "failure": None}
+    assert posted and all(status == passed for status in posted)
     assert served_by(backend, buffers.step(2))[1] is None  # eager on this rank too
     assert served_by(backend, buffers.step(4))[1] == 4
 
@@ -281,14 +282,15 @@ def test_a_self_check_failure_on_this_rank_is_shared_not_raised_alone(sim, monke
     backend, _ = backend_for(FrozenHostValue(sim), config=config)
     link = PeerLink(
         peer=lambda rank, label, status: (
-            {"payload": None, "failure": None} if "self" in label else status
+            {"payload": {"type": "SelfChecks", "failed": {}}} if "self" in label else status
         )
     )
     buffers = Buffers()
     with CaptureSession("decode", fd_config=config, link=link):
         capture_all(backend, buffers)
     shared = [status["payload"] for label, status in link.posted if label.startswith("self-check")]
-    assert len(shared) == 3 and all("self-check failed for decode size" in m for m in shared)
+    messages = [m for payload in shared for m in payload["failed"].values()]
+    assert len(messages) == 3 and all("self-check failed for decode size" in m for m in messages)
     assert [served_by(backend, buffers.step(n))[1] for n in (4, 2, 1)] == [None, None, None]
 
 

@@ -192,7 +192,7 @@ def capture_oom(rank: Rank) -> dict[str, Any]:
 
 @scenario("registration-fails")
 def registration_fails(rank: Rank) -> dict[str, Any]:
-    """The custom all-reduce's register op fails after its all_gather (the second graph)."""
+    """The custom all-reduce's register op fails after its all_gather (the session's one)."""
     allreduce = _ar()
     original = allreduce.register_graph_buffers
     calls = {"n": 0}
@@ -200,7 +200,7 @@ def registration_fails(rank: Rank) -> dict[str, Any]:
     def register() -> None:
         original()
         calls["n"] += 1
-        if rank.faulty and calls["n"] == 2:
+        if rank.faulty and calls["n"] == 1:
             raise RuntimeError("register_graph_buffers: cudaIpcOpenMemHandle failed")
 
     allreduce.register_graph_buffers = register

@@ -28,22 +28,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fd_cudagraph_plugin.core import (
-    agreement,
-    hooks,
-    lifecycle,
-    moved,
-    observability,
-    process,
-    seam,
-)
-from fd_cudagraph_plugin.core.capture import Capturer
+from fd_cudagraph_plugin.core import hooks, lifecycle, moved, observability, process, seam
+from fd_cudagraph_plugin.core.capture import Capturer, register, self_checks
 from fd_cudagraph_plugin.core.dispatch import EAGER, REPLAY, VERIFY, Dispatcher
 from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
-from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError
-from fd_cudagraph_plugin.core.graphs import DECODE, GraphEntry, GraphTable, Step
-from fd_cudagraph_plugin.core.messages import VERDICT, Bool, text
+from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, ConfigError
+from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, GraphEntry, GraphTable, Step
 from fd_cudagraph_plugin.core.mode import Mode
+from fd_cudagraph_plugin.core.ranks.agreement import Agreement, outside_session, solo
+from fd_cudagraph_plugin.core.ranks.messages import text
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.warmups import WarmedSizes
@@ -180,7 +173,7 @@ class CudaGraphBackend:
                 # A capture on this rank alone, outside FastDeploy's capture loop, would hang
                 # tensor-parallel peers; after capture_model() every new size runs eagerly.
                 return self._eager_now("late_capture", step, tokens, kwargs)
-            points = agreement.solo(self.settings.options.rank_timeout)
+            points = solo(self.settings.options.rank_timeout)
             warmups, ordered = self.settings.num_warmups, True
         else:
             session.before_capture(self)
@@ -195,39 +188,62 @@ class CudaGraphBackend:
             self, entry.key, runnable, kwargs, points, warmups=warmups, ordered=ordered
         )
         entry.fill(captured)
-        self.dispatcher.publish(entry)
         self.warmed.add(entry.key)
         if session is not None:
             session.record(
                 self, entry.key, captured.seconds, captured.graph_bytes, captured.warmups
             )
+            if session.registers:
+                # Its all-reduce buffers are registered with the session's others, at its end;
+                # until then the step's result is the last warm-up's, run on the same inputs.
+                session.unregistered(self, entry, kwargs)
+                self.dispatcher.ran_eagerly("unregistered", step.observed)
+                if captured.eager is not NOTHING:
+                    return captured.eager
+                return self.dy_runnable(**kwargs)
+        else:
+            try:  # TP = 1, outside any session: registered at once
+                register(points, self, entry.key)
+            except CaptureError:
+                self.discard(entry)
+                raise
+        self.publish(entry)
         if self.settings.options.self_check != "off" and not entry.key.static:
-            from fd_cudagraph_plugin.core import guards
-
-            disagreements = self.capturer.self_check(
-                self,
-                entry.key,
-                lambda: guards.self_check(entry, lambda: self.dy_runnable(**kwargs)),
-                points,
-            )
-            if disagreements:
-                logger.warning(
-                    "CUDA graph self-check failed: %s. Every rank serves %s eagerly from now on.",
-                    "; ".join(disagreements),
-                    entry.key,
-                )
-                self.table.disable(entry)
-                self.dispatcher.publish(entry)
+            error = self.settings.options.self_check == "error"
+            check = (str(entry.key), self, entry.key, lambda: self.check(entry, kwargs))
+            if self_checks(points, [check], error):
+                self.disable(entry)
                 return self._eager_now("self_check_failed", step, tokens, kwargs)
         # The capturing call returns real outputs too; it ran on the captured inputs.
         self.dispatcher.replayed(step, tokens)
         return self._replay(entry, kwargs)
 
+    def publish(self, entry: GraphEntry) -> None:
+        """``entry``'s all-reduce buffers are registered: it may serve."""
+        entry.registered = True
+        self.dispatcher.publish(entry)
+
+    def check(self, entry: GraphEntry, kwargs: dict) -> str | None:
+        """The self-check of a registered graph: its replay against eager on the same inputs."""
+        from fd_cudagraph_plugin.core import guards
+
+        return guards.self_check(entry, lambda: self.dy_runnable(**kwargs))
+
+    def disable(self, entry: GraphEntry) -> None:
+        """Every rank's self-check agreed ``entry`` is wrong: its size runs eagerly."""
+        self.table.disable(entry)
+        self.dispatcher.publish(entry)
+
+    def discard(self, entry: GraphEntry) -> None:
+        """The session that captured ``entry`` failed before registering it: it never serves."""
+        entry.release()
+        self.dispatcher.publish(entry)
+
     def _eager_now(self, reason: str, step: Step, tokens: int, kwargs: dict) -> Any:
         self.dispatcher.ran_eagerly(reason, step.observed)
         return self._eager(Step(step.key, reason, step.observed, step.by), tokens, kwargs)
 
-    def _decide_static_decode(self, kwargs: dict, points: agreement.Agreement) -> None:
+    def _decide_static_decode(self, kwargs: dict, points: Agreement) -> None:
         """Static full mode: Paddle's graphs decode where the SOT-translated program is one clean
         static graph on every rank, else the plugin captures decode from the dygraph model."""
 
@@ -237,7 +253,7 @@ class CudaGraphBackend:
                 self.runtime.mark_warm()  # it ran the model: no cold capture follows
             return None if verdict is None else text(verdict, 1000)
 
-        verdicts = points.share("static probe", self, None, probe, VERDICT)
+        verdicts = points.share("static probe", self, None, probe, (str, type(None)))
         broken = [(rank, why) for rank, why in enumerate(verdicts) if why]
         self._rebuild(self.mode.decided(static=not broken))
         if broken:
@@ -318,22 +334,28 @@ class CudaGraphBackend:
         graph of the process is released and steps run eagerly until the next capture."""
         from fd_cudagraph_plugin.core import guards
 
-        points = lifecycle.point(self._worker, self.fd_config)
         local = guards.moved_inputs(entry.addresses, kwargs)
-        said = points.share("inputs in place", self, entry.key, lambda: not local, Bool())
-        if all(said):
-            entry.verified = True
-            self.dispatcher.publish(entry)
-            return True
-        ranks = [rank for rank, fine in enumerate(said) if not fine]
+        try:
+            points = outside_session(self.fd_config)
+            said = points.share("inputs in place", self, entry.key, lambda: not local, bool)
+        except CaptureError as error:
+            # A decode step never fails for the agreement: every rank reads the same failure
+            # and serves eagerly until the next capture session.
+            why = f"the ranks could not agree on its inputs ({error})"
+        else:
+            if all(said):
+                entry.verified = True
+                self.dispatcher.publish(entry)
+                return True
+            ranks = ", ".join(str(rank) for rank, fine in enumerate(said) if not fine)
+            here = f"; here: {moved.summary(local)}" if local else ""
+            why = f"inputs of its graph are not where the capture saw them (rank {ranks}{here})"
         logger.warning(
-            "CUDA graph backend %#x (%s): at the first %s step since a lifecycle call, inputs "
-            "of its graph are not where the capture saw them (rank %s%s).",
+            "CUDA graph backend %#x (%s): at the first %s step since a lifecycle call, %s.",
             id(self),
             self.role,
             entry.key,
-            ", ".join(map(str, ranks)),
-            f"; here: {moved.summary(local)}" if local else "",
+            why,
         )
         lifecycle.release(
             self._worker, self._worker.backends(), "a lifecycle call", "an input of a graph moved"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fd_cudagraph_plugin.core.errors import human_bytes
-from fd_cudagraph_plugin.core.messages import RankMemory
+from fd_cudagraph_plugin.core.ranks.messages import RankMemory
 
 
 class Choice(Enum):

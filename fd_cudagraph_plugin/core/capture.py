@@ -1,12 +1,15 @@
 """Capturing one entry: the order check, warm-ups, the pool, the custom all-reduce, accounting,
-and the self-check, each step followed by an agreement point (``agreement.Agreement``).
+each step followed by an agreement point (``ranks.agreement.Agreement``); and the self-check.
 
 Dynamic entries are captured by the runtime (``runtime/``); static ones by Paddle inside its
 partial programs (``dy2st.py``). Warm-ups run outside FastDeploy's custom all-reduce capture state
 and the capture inside it: there, every all-reduce that is not being captured returns an
-uninitialised buffer. The graph's buffers are registered (a collective over the TP group) only
-once every rank has said its capture succeeded. ``capture`` returns what it captured; the backend
-publishes it.
+uninitialised buffer. FastDeploy's custom all-reduce keeps the buffers of every capture until its
+next ``register_graph_buffers`` (``graph_unreg_buffers_``, ``all_reduce.cuh``), a collective over
+the TP group; a session registers them once, at its end, after every rank agreed every capture
+(``session.py``), and no graph replays before (its kernels read peer pointers the registration
+fills). ``capture`` returns what it captured, with the last warm-up's result, which the capturing
+step returns; the backend publishes the graph.
 
 Which memory pool a backend's graphs capture into (``FD_CUDAGRAPH_POOL``, ``pool_policy``):
 
@@ -28,11 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fd_cudagraph_plugin.core import outputs, seam
-from fd_cudagraph_plugin.core.agreement import Agreement, Participant
 from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError, SelfCheckError
-from fd_cudagraph_plugin.core.graphs import DECODE, Captured, GraphKey
-from fd_cudagraph_plugin.core.messages import VERDICT
+from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, Captured, GraphKey
+from fd_cudagraph_plugin.core.ranks.agreement import Agreement, Participant
+from fd_cudagraph_plugin.core.ranks.messages import MAX_TEXT, SelfChecks, text
 from fd_cudagraph_plugin.core.runtime import GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings
 
@@ -94,7 +97,8 @@ class Capturer:
     ) -> Captured:
         """Warm up (``warmups`` eager runs) and capture ``key``. Raises the agreed
         ``CaptureError`` when this or any other rank failed; then nothing was captured.
-        ``ordered``: hold decode captures to the plan's order (every capture but a probe's)."""
+        ``ordered``: hold decode captures to the plan's order (every capture but a probe's).
+        The graph's all-reduce buffers are not registered yet (``seam.register_graph_buffers``)."""
         from fd_cudagraph_plugin.core import guards  # imports Paddle
 
         # Before the model runs: from 2.6 the attention backend may rebind forward_meta.rotary_embs
@@ -106,19 +110,20 @@ class Capturer:
             # CUBLAS_STATUS_NOT_INITIALIZED when we tried), so the first capture follows one run.
             warmups = max(warmups, 1)
 
+        done: dict[str, Any] = {}
+
         def warm_up() -> None:
             if key.phase == DECODE and ordered:
                 self._check_order(key.size)
             if self.pool is None and not key.static and self.pool_policy == "instance":
                 self.pool = self.runtime.new_pool()
             for _ in range(warmups):
-                runnable(**kwargs)
+                done["eager"] = runnable(**kwargs)
                 self.runtime.mark_warm()
 
         started = time.perf_counter()
         agreement.run("warm-up", owner, key, warm_up)
         allreduce = seam.custom_allreduce()
-        done: dict[str, Any] = {}
 
         def capture() -> None:
             # Measured around the capture alone: warm-ups may grow ordinary allocator memory. The
@@ -136,13 +141,8 @@ class Capturer:
 
         try:
             agreement.run("capture", owner, key, capture)
-            if allreduce is not None:
-                agreement.run(
-                    "registration", owner, key, lambda: seam.register_graph_buffers(allreduce)
-                )
         except CaptureError:
-            # Nothing of a failed capture survives: a graph whose all-reduce buffers were not
-            # registered on every rank must never replay.
+            # Nothing of a failed capture survives, on any rank.
             graph = done.pop("graph", None)
             if graph is not None:
                 graph.release()
@@ -161,31 +161,12 @@ class Capturer:
             seconds=time.perf_counter() - started,
             warmups=warmups,
             addresses=addresses,
+            eager=done.get("eager", NOTHING),
         )
         logger.debug("captured %s graph in %.3f s", key, captured.seconds)
         if captured.graph is not None and self.settings.options.dump_dot:
             self._dump_dot(owner, captured)
         return captured
-
-    def self_check(
-        self, owner: Participant, key: GraphKey, check: Callable[[], str | None], agreement
-    ) -> list[str]:
-        """Every rank runs ``check`` (replay against eager) on its new graph and acts on every
-        rank's verdict: raise (``error``) or return the disagreements (``warn``)."""
-        verdicts = agreement.share("self-check", owner, key, check, VERDICT)
-        found = [(rank, message) for rank, message in enumerate(verdicts) if message]
-        if not found:
-            return []
-        world = len(verdicts)
-        messages = [m if world == 1 else f"rank {r}: {m}" for r, m in found]
-        if self.settings.options.self_check == "error":
-            text = "; ".join(messages) + " (FD_CUDAGRAPH_SELF_CHECK=error)"
-            if world > 1:
-                text += " Every tensor-parallel rank stops here."
-            raise agreement.stop(
-                SelfCheckError(text, stage="self-check", failed_ranks=tuple(r for r, _ in found))
-            )
-        return messages
 
     def _check_order(self, size: int) -> None:
         """Every TP rank must capture the same sizes in the same order: each graph's buffer
@@ -232,3 +213,65 @@ class Capturer:
             logger.warning(
                 "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.", self.runtime.name
             )
+
+
+def register(agreement: Agreement, participant: Participant | None, key: GraphKey | None) -> None:
+    """Register the all-reduce buffers of every graph captured since the last registration:
+    FastDeploy's ``register_graph_buffers``, an ``all_gather_object`` over the TP group, entered
+    only once every rank agreed each of those captures. Nothing to do without a custom
+    all-reduce."""
+    allreduce = seam.custom_allreduce()
+    if allreduce is not None:
+        register = seam.register_graph_buffers
+        agreement.run("registration", participant, key, lambda: register(allreduce))
+
+
+#: One self-check: the graph's label, its backend and key, and the check (None, or what differs).
+Check = tuple[str, Participant, GraphKey, Callable[[], str | None]]
+
+
+def self_checks(agreement: Agreement, checks: list[Check], error: bool) -> set[str]:
+    """Every rank runs its ``checks`` (a replay of a new graph against eager on the same inputs)
+    and acts on every rank's verdicts alike: raise (``error``) or return the labels of the
+    graphs any rank found wrong, which every rank then serves eagerly. A check that raises is
+    that rank's failure, posted as the graph's."""
+    failed: dict[str, str] = {}
+    raised: tuple[Participant, GraphKey, Exception] | None = None
+    for label, participant, key, check in checks:
+        try:
+            verdict = check()
+        except Exception as exception:
+            raised = (participant, key, exception)
+            break
+        if verdict:
+            failed[label] = text(verdict, MAX_TEXT)
+
+    def run() -> SelfChecks:
+        if raised is not None:
+            raise raised[2]
+        return SelfChecks(failed=failed)
+
+    if raised is not None:
+        participant, key = raised[:2]
+    else:
+        participant, key = checks[0][1:3] if len(checks) == 1 else (None, None)
+    everyone = agreement.share("self-check", participant, key, run, SelfChecks)
+    found = [
+        (r, label, why) for r, mine in enumerate(everyone) for label, why in mine.failed.items()
+    ]
+    if not found:
+        return set()
+    world = len(everyone)
+    messages = [why if world == 1 else f"rank {r}: {why}" for r, _, why in found]
+    if error:
+        message = "; ".join(messages) + " (FD_CUDAGRAPH_SELF_CHECK=error)"
+        if world > 1:
+            message += " Every tensor-parallel rank stops here."
+        ranks = tuple(sorted({r for r, _, _ in found}))
+        raise agreement.stop(SelfCheckError(message, stage="self-check", failed_ranks=ranks))
+    logger.warning(
+        "CUDA graph self-check failed: %s. Every rank serves %s eagerly from now on.",
+        "; ".join(messages),
+        ", ".join(sorted({label for _, label, _ in found})),
+    )
+    return {label for _, label, _ in found}

@@ -153,7 +153,8 @@ class Dispatcher:
         through Paddle's partial programs, are served by the general path only."""
         if entry.phase != DECODE or entry.key.static or self.mode.only_prefill:
             return
-        served = entry if entry.captured and not entry.disabled and entry.verified else None
+        servable = entry.captured and entry.registered and entry.verified and not entry.disabled
+        served = entry if servable else None
         for key in self._keys_of.get(entry.size, ()):
             self.served[key] = served
 
@@ -235,6 +236,10 @@ class Dispatcher:
         if entry.disabled:
             return self._eager(step, "self_check_failed")
         if entry.captured:
+            if not entry.registered:
+                # Captured in the session open now; its all-reduce buffers are registered at the
+                # session's end, and until then it must not replay.
+                return self._eager(step, "unregistered")
             if not entry.verified:
                 return VERIFY, step, entry
             self.replayed(step, tokens)

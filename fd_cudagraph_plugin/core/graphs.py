@@ -50,6 +50,10 @@ class Step:
     by: str = TOKENS
 
 
+#: ``Captured.eager`` when no warm-up ran before the capture.
+NOTHING = object()
+
+
 @dataclass(frozen=True)
 class Captured:
     """One graph, captured and registered on every rank (``capture.Capturer`` makes it)."""
@@ -64,6 +68,8 @@ class Captured:
     warmups: int
     #: Input data pointers at capture (dynamic graphs).
     addresses: tuple[tuple[str, int], ...] = ()
+    #: The last warm-up's result (the same inputs, run eagerly), or ``NOTHING``.
+    eager: Any = NOTHING
 
 
 class GraphEntry:
@@ -81,6 +87,7 @@ class GraphEntry:
         "addresses",
         "disabled",
         "verified",
+        "registered",
     )
 
     def __init__(self, key: GraphKey) -> None:
@@ -104,6 +111,8 @@ class GraphEntry:
         #: Its inputs were where the capture saw them at its first replay since the last
         #: lifecycle call (``backend.verify``); the hot path serves only verified graphs.
         self.verified = True
+        #: Its all-reduce buffers are registered (``capture.py``): before, it never replays.
+        self.registered = False
 
     @property
     def phase(self) -> str:
@@ -123,6 +132,7 @@ class GraphEntry:
         self.capture_seconds = captured.seconds
         self.addresses = captured.addresses
         self.verified = True
+        self.registered = False
 
     def release(self) -> None:
         """Drop the graph and its outputs (they live in graph memory)."""
@@ -131,6 +141,7 @@ class GraphEntry:
         self.result = None
         self.addresses = ()
         self.static_captured = False
+        self.registered = False
         if graph is not None:
             graph.release()
 

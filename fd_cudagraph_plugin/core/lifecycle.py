@@ -28,19 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fd_cudagraph_plugin.core import moved, process, seam
-from fd_cudagraph_plugin.core.agreement import Agreement
-from fd_cudagraph_plugin.core.messages import Moved, Of, text
-from fd_cudagraph_plugin.core.session import link_for
+from fd_cudagraph_plugin.core.ranks.agreement import outside_session
+from fd_cudagraph_plugin.core.ranks.messages import Moved, text
 
 logger = logging.getLogger("fd_cudagraph_plugin")
-
-
-def point(worker: process.WorkerProcess, fd_config: Any) -> Agreement:
-    """One agreement point outside a capture session (after a lifecycle call, or at a graph's
-    first replay after one), in an epoch of its own: every rank meets it at the same call."""
-    link = link_for(fd_config, worker.options)
-    link.next_epoch()
-    return Agreement(link, worker.options.rank_timeout, None)
 
 
 def after(event: str, runner: Any, servable: bool, failed: BaseException | None = None) -> None:
@@ -59,7 +50,6 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
     if failed is not None and _agreed(failed):
         release(worker, backends, event, f"{event} failed on a rank")
         return
-    points = point(worker, getattr(runner, "fd_config", None) or backends[0].fd_config)
     captured = [b for b in backends if b.fingerprint is not None and b.has_graphs()]
 
     def local() -> Moved:
@@ -72,8 +62,9 @@ def after(event: str, runner: Any, servable: bool, failed: BaseException | None 
         return Moved(names=names, can_serve=servable and seam.can_serve(runner))
 
     try:
-        said = points.share(f"after {event}", None, None, local, Of(Moved))
-    except Exception:
+        points = outside_session(getattr(runner, "fd_config", None) or backends[0].fd_config)
+        said = points.share(f"after {event}", None, None, local, Moved)
+    except BaseException:
         # What the call moved before it failed is unknown: no graph stays to replay it.
         release(worker, backends, event, f"{event} failed on a rank")
         if failed is not None:
@@ -162,13 +153,12 @@ def wrap(method: Callable, event: str, servable: bool) -> Callable:
         worker.lifecycle_depth += 1
         try:
             result = method(owner, *args, **kwargs)
-        except Exception as error:
+        except BaseException as error:
+            # An interrupt too: posted like any failure, so that the others meet it at this
+            # call's point rather than pair this rank's next call with it.
             worker.lifecycle_depth -= 1
             if worker.lifecycle_depth == 0:
                 after(event, _runner_of(owner), servable, failed=error)
-            raise
-        except BaseException:  # an interrupt: the process is going down; keep the count true
-            worker.lifecycle_depth -= 1
             raise
         worker.lifecycle_depth -= 1
         if worker.lifecycle_depth == 0:

@@ -20,9 +20,9 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from fd_cudagraph_plugin.core.channel import Link
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.outputs import OutputFailures
+from fd_cudagraph_plugin.core.ranks.link import Link
 
 
 class OpenSession(Protocol):
@@ -51,7 +51,7 @@ class WorkerProcess:
         self.links: dict[str, Link] = {}
         #: Names of agreement channels in Paddle's job store start with this (tests, which run
         #: several "workers" one after another in one job, give each its own).
-        self.link_prefix = "fd-cudagraph/v2"
+        self.link_prefix = "fd-cudagraph/v4"
         self.outputs = OutputFailures()
         #: FD_CUDAGRAPH_KV_RESERVE's state, a ``reserve.KvReserve`` (only reserve.py reads or
         #: writes it).

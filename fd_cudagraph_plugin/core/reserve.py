@@ -30,7 +30,6 @@ from typing import Any
 from fd_cudagraph_plugin.core import outputs, process, seam
 from fd_cudagraph_plugin.core.budget import Choice, Reserve
 from fd_cudagraph_plugin.core.errors import human_bytes
-from fd_cudagraph_plugin.core.messages import FLAG
 from fd_cudagraph_plugin.core.session import CaptureReport, CaptureSession, backends_plan
 
 logger = logging.getLogger("fd_cudagraph_plugin")
@@ -174,7 +173,7 @@ class KvReserve:
         )
         with session:
             lacking = any(
-                session.agreement.share("record", None, None, lambda: recorded is None, FLAG)
+                session.agreement.share("record", None, None, lambda: recorded is None, bool)
             )
             probing = lacking and mode.probe_capturable
             if probing:

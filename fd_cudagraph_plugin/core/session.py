@@ -30,26 +30,25 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-import zmq
+import msgspec
 
-from fd_cudagraph_plugin.core import budget, channel, outputs, process, seam, warmups
-from fd_cudagraph_plugin.core.agreement import Agreement, forget_locals
+from fd_cudagraph_plugin.core import budget, outputs, process, seam, warmups
 from fd_cudagraph_plugin.core.budget import Reserve
-from fd_cudagraph_plugin.core.channel import JoinError, Link, LocalLink
-from fd_cudagraph_plugin.core.errors import (
-    CaptureError,
-    RankMismatchError,
-    RankTimeoutError,
-    human_bytes,
-    plural,
-)
+from fd_cudagraph_plugin.core.capture import register, self_checks
+from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError, human_bytes, plural
 from fd_cudagraph_plugin.core.graphs import GraphEntry, GraphKey
-from fd_cudagraph_plugin.core.messages import Maybe, Of, PlanPayload, RankMemory
 from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.moved import summary as moved_summary
-from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.ranks.agreement import (
+    Agreement,
+    for_session,
+    forget_locals,
+    link_for,
+)
+from fd_cudagraph_plugin.core.ranks.link import Link
+from fd_cudagraph_plugin.core.ranks.messages import PlanPayload, RankMemory
 from fd_cudagraph_plugin.core.runtime import GraphRuntime
-from fd_cudagraph_plugin.core.settings import Settings, read_ranks
+from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.warmups import WarmedSizes
 
 logger = logging.getLogger("fd_cudagraph_plugin")
@@ -77,6 +76,18 @@ class SessionBackend(Protocol):
     def take_fingerprint(self, runner: Any) -> list[str] | None:
         """Note where the graphs now read memory; return what moved since the last time (None:
         there was none)."""
+
+    def publish(self, entry: GraphEntry) -> None:
+        """``entry``'s all-reduce buffers are registered: it may serve."""
+
+    def check(self, entry: GraphEntry, kwargs: dict) -> str | None:
+        """The self-check of a registered graph: None, or what differs."""
+
+    def disable(self, entry: GraphEntry) -> None:
+        """Every rank's self-check found ``entry`` wrong."""
+
+    def discard(self, entry: GraphEntry) -> None:
+        """``entry`` was never registered: it never serves."""
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -263,7 +274,7 @@ class CaptureReport:
             "captures": [asdict(r) for r in self.records],
             "memory": [
                 {
-                    **asdict(m),
+                    **msgspec.structs.asdict(m),
                     "fit_gpu_memory_utilization": None
                     if m.utilization is None or not m.total
                     else budget.fit_utilization(m.utilization, m.free, m.total),
@@ -278,41 +289,6 @@ def _seconds(value: float) -> str:
 
 
 # ------------------------------------------------------------------------------- the session
-
-
-def link_for(fd_config: Any, options: PluginOptions) -> Link:
-    """This process's link to its tensor-parallel group's agreement channel (made once)."""
-    ranks = read_ranks(fd_config)
-    if ranks.tp_size <= 1:
-        return LocalLink()
-    state = process.current()
-    group = list(ranks.tp_group)
-    name = f"{state.link_prefix}/{'-'.join(str(r) for r in group)}"
-    link = state.links.get(name)
-    if link is None:
-        started = time.monotonic()
-        try:
-            address = channel.address_for(
-                seam.job_endpoint(),
-                name,
-                group,
-                options.agreement_interface,
-                options.agreement_ports,
-            )
-            link = channel.join(
-                seam.job_store, name, address, ranks.tp_rank, ranks.tp_size, options.rank_timeout
-            )
-        except (JoinError, OSError, zmq.ZMQError) as error:
-            raise RankTimeoutError(
-                f"tensor-parallel rank {ranks.tp_rank} could not join its group's CUDA graph "
-                f"agreement (ranks {group}; waited {time.monotonic() - started:.3g} s of at most "
-                f"{options.rank_timeout:g} s, FD_CUDAGRAPH_RANK_TIMEOUT): {error}. Every worker "
-                f"of the group must run fd-cudagraph-plugin (FD_PLUGINS) and start "
-                f"capture_model(); see rank 0's log if it stopped.",
-                stage="agreement",
-            ) from error
-        state.links[name] = link
-    return link
 
 
 class Progress:
@@ -391,6 +367,11 @@ class CaptureSession:
         self._progress: Progress | None = None
         self._started = 0.0
         self._collect_again = False
+        #: A custom all-reduce exists: graphs wait for the session's one registration.
+        self.registers = False
+        #: The graphs captured so far whose all-reduce buffers are not registered yet, with
+        #: the inputs each was captured on (its self-check replays against eager on them).
+        self._unregistered: list[tuple[SessionBackend, GraphEntry, dict]] = []
 
     @property
     def rank(self) -> int:
@@ -404,9 +385,9 @@ class CaptureSession:
         gc.disable()
         try:
             link = self._link or link_for(self.fd_config, self.options)
-            link.next_epoch()
             self.report = CaptureReport(self.phase, link.rank, self.reserve)
-            self.agreement = Agreement(link, self.options.rank_timeout, self.report)
+            self.agreement = for_session(link, self.options, self.report)
+            self.registers = seam.custom_allreduce() is not None
             self._progress = Progress(link.rank == 0, self.process.outputs)
             self.process.session = self
             for backend in self.process.backends():
@@ -465,7 +446,7 @@ class CaptureSession:
         }
         unwarmed = [m.warmed.missing(e.key for e in m.expected()) for m in self.members]
         mine = PlanPayload(plan=plan, unwarmed=unwarmed)
-        everyone = self.agreement.share("plan", None, None, lambda: mine, Of(PlanPayload))
+        everyone = self.agreement.share("plan", None, None, lambda: mine, PlanPayload)
         diff = plan_diff([e.plan for e in everyone])
         if diff:
             raise self.agreement.stop(
@@ -479,6 +460,33 @@ class CaptureSession:
                 )
             )
         self._to_warm = warmups.agreed([e.unwarmed for e in everyone], len(self.members))
+
+    def unregistered(self, member: SessionBackend, entry: GraphEntry, kwargs: dict) -> None:
+        """``member`` captured ``entry`` on ``kwargs``; it serves once registered."""
+        self._unregistered.append((member, entry, kwargs))
+
+    def _register(self) -> None:
+        """Register the all-reduce buffers of every graph of the session at once (one collective
+        over the TP group, entered only now that every rank has agreed every capture; FastDeploy
+        keeps them all until then, as vLLM registers once per session), publish them, then
+        self-check them (a replay each) at one point."""
+        pending, self._unregistered = self._unregistered, []
+        if not pending:
+            return
+        register(self.agreement, None, None)
+        for member, entry, _ in pending:
+            member.publish(entry)
+        mode = self.options.self_check
+        checked = [(f"{m.role} {e.key}", m, e, kw) for m, e, kw in pending if not e.key.static]
+        if mode == "off" or not checked:
+            return
+        checks = [
+            (label, m, e.key, lambda m=m, e=e, kw=kw: m.check(e, kw)) for label, m, e, kw in checked
+        ]
+        failed = self_checks(self.agreement, checks, mode == "error")
+        for label, member, entry, _ in checked:
+            if label in failed:
+                member.disable(entry)
 
     def record(
         self, member: SessionBackend, key: GraphKey, seconds: float, nbytes: int, warmed: int
@@ -526,7 +534,10 @@ class CaptureSession:
         agreement = self.agreement
         try:
             if exc_type is None:
-                shared = agreement.share("end", None, None, self._my_memory, Maybe(Of(RankMemory)))
+                self._register()
+                shared = agreement.share(
+                    "end", None, None, self._my_memory, (RankMemory, type(None))
+                )
                 if all(shared):
                     self.report.memory = shared
             elif isinstance(exc, Exception):
@@ -545,6 +556,9 @@ class CaptureSession:
             self._finish()
 
     def _close(self, failed: bool) -> None:
+        for member, entry, _ in self._unregistered:  # never registered: they never serve
+            member.discard(entry)
+        self._unregistered.clear()
         if self._progress is not None:
             self._progress.close()
         if self._collect_again:
@@ -582,4 +596,4 @@ class CaptureSession:
                 self.process.outputs.failed("FD_CUDAGRAPH_MEMORY_REPORT", path, error)
 
 
-__all__ = ["CaptureError", "CaptureReport", "CaptureSession", "Progress", "link_for"]
+__all__ = ["CaptureError", "CaptureReport", "CaptureSession", "Progress"]

@@ -31,7 +31,7 @@ from typing import Any
 
 from fd_cudagraph_plugin.core.errors import plural
 from fd_cudagraph_plugin.core.graphs import DECODE, PREFILL, GraphKey
-from fd_cudagraph_plugin.core.messages import Unwarmed
+from fd_cudagraph_plugin.core.ranks.messages import Unwarmed
 
 #: Warm-ups of a size captured before in this process: the eager run a capture reads host
 #: state from (see above). Never more than FastDeploy's configured count.
