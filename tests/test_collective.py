@@ -53,6 +53,9 @@ TWO_RANKS = (
     "cannot-serve-on-one-rank@1",
     "wakeup-fails-on-one-rank-then-retried@1",
     "clear-fails-on-one-rank-then-retried@1",
+    "stopped-7s-between-calls@1",
+    "stopped-7s-between-calls@0",
+    "interrupted-on-one-rank@1",
     *(f"{fault}-tcp@{rank}" for fault in ("capture-oom", "never-joins") for rank in (0, 1)),
 )
 FOUR_RANKS = ("capture-oom@2",)
@@ -364,3 +367,23 @@ def test_when_one_rank_cannot_capture_after_a_lifecycle_call_no_rank_captures_al
         assert f["captured_again"] == 0 and f["replayed"] == 0 and f["equals_eager"], f
         assert f["eager_fallbacks"] == {"memory_moved": 1}, f
         assert f["seconds"] < SCENARIO_LIMIT_S, f
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_stopped_7_s_between_two_calls_costs_only_time(two, rank):
+    for facts in two[f"stopped-7s-between-calls@{rank}"]:
+        assert facts["outcome"] == "ok", facts["message"]
+        assert facts["update"] == "ok"
+        for step in (facts["first"], facts["then"]):
+            assert step["equals_eager"] and step["replayed"] == 1 and not step["eager_fallbacks"]
+
+
+def test_an_interrupt_on_one_rank_is_posted_and_the_calls_pair_by_what_they_are(two):
+    faulty, other = two["interrupted-on-one-rank@1"][1], two["interrupted-on-one-rank@1"][0]
+    assert faulty["outcome"] == other["outcome"] == "ok", (faulty["message"], other["message"])
+    assert faulty["first"] == "KeyboardInterrupt"
+    assert "failed on tensor-parallel rank 1 of 2" in other["first"]
+    assert "KeyboardInterrupt" in other["first"]
+    for facts in (faulty, other):
+        assert facts["again"] == "ok"
+        assert facts["then"]["equals_eager"] and facts["then"]["replayed"] == 1

@@ -549,6 +549,49 @@ def clear_fails_then_retried(rank: Rank) -> dict[str, Any]:
         return {"first": first, **_retried(runner, backend, again)}
 
 
+@scenario("stopped-7s-between-calls")
+def stopped_between_calls(rank: Rank) -> dict[str, Any]:
+    """Serving, the faulty rank's whole process stops for 7 s (a GC pause, swapping, a
+    debugger), then a weight update and decode steps: a stall shorter than the timeout costs
+    only time. 0.5.0 dropped the rank after 5 s of heartbeat silence: every later point of the
+    job failed, the first replay of every size too."""
+    import signal
+    import subprocess
+
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "30"):
+        runner, worker, backend = _serving(rank)
+        first = _served(runner, backend)
+        if rank.faulty:
+            subprocess.Popen(["sh", "-c", f"sleep 7; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        update = _attempt(lambda: worker.update_weights(version="v2"))
+        return {"first": first, "update": update, "then": _served(runner, backend)}
+
+
+@scenario("interrupted-on-one-rank")
+def interrupted_on_one_rank(rank: Rank) -> dict[str, Any]:
+    """The faulty rank's weight update is interrupted (KeyboardInterrupt): it posts that like
+    any failure, so the other rank's call fails with it rather than pair with the faulty rank's
+    next call; then every rank updates again and serves from graphs."""
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "30"):
+        runner, worker, backend = _serving(rank)
+        manager = runner.dynamic_weight_manager
+        if rank.faulty:
+            manager.update_weights_by_rdma = _interrupt
+        try:
+            first = _attempt(lambda: worker.update_weights(version="v2"))
+        except KeyboardInterrupt:
+            first = "KeyboardInterrupt"
+        if rank.faulty:
+            del manager.update_weights_by_rdma
+        again = _attempt(lambda: worker.update_weights(version="v3"))
+        return {"first": first, "again": again, "then": _served(runner, backend)}
+
+
+def _interrupt(*args: Any, **kwargs: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def prefill_caches(runner: Any) -> None:
     from graph_reads import prefill
 
