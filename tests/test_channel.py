@@ -511,6 +511,28 @@ def test_a_rank_behind_a_point_the_others_passed_is_told_at_once():
     assert sent[1].outcome.key == (3, 0) and sent[1].outcome.elsewhere == (0,)
 
 
+def test_a_server_stalled_between_a_decision_and_its_sending_does_not_split_the_verdict(
+    group, monkeypatch
+):
+    """Rank 0's process starves right after deciding a completion, for longer than rank 1's
+    timeout: rank 1 asks to abandon at its timeout but waits for the server's verdict, and
+    reads the same completion rank 0 read, instead of failing while rank 0 goes on alone."""
+    settle = Decider.settle
+    stalled = []
+
+    def slow_settle(self, now=0.0):
+        sent = settle(self, now)
+        if sent and not stalled:
+            stalled.append(True)
+            time.sleep(1.5)  # this process starved right after deciding
+        return sent
+
+    monkeypatch.setattr(Decider, "settle", slow_settle)
+    outcomes, took = group.point("capture decode size 8", timeouts={0: 10.0, 1: 1.0})
+    assert [o.complete for o in outcomes] == [True, True]
+    assert 1.5 <= took < 2.0
+
+
 def test_ranks_at_different_points_stop_naming_both(group):
     outcomes = {}
 

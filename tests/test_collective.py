@@ -56,6 +56,7 @@ TWO_RANKS = (
     "stopped-7s-between-calls@1",
     "stopped-7s-between-calls@0",
     "interrupted-on-one-rank@1",
+    "stopped-at-a-first-replay@1",
     *(f"{fault}-tcp@{rank}" for fault in ("capture-oom", "never-joins") for rank in (0, 1)),
 )
 FOUR_RANKS = ("capture-oom@2",)
@@ -386,4 +387,15 @@ def test_an_interrupt_on_one_rank_is_posted_and_the_calls_pair_by_what_they_are(
     assert "KeyboardInterrupt" in other["first"]
     for facts in (faulty, other):
         assert facts["again"] == "ok"
+        assert facts["then"]["equals_eager"] and facts["then"]["replayed"] == 1
+
+
+def test_a_first_replay_that_cannot_be_agreed_runs_eagerly_on_every_rank_and_never_raises(two):
+    for facts in two["stopped-at-a-first-replay@1"]:
+        assert facts["outcome"] == "ok", facts["message"]
+        first = facts["first"]
+        assert "raised" not in first, first
+        assert first["equals_eager"] and first["replayed"] == 0
+        assert first["eager_fallbacks"].get("memory_moved") == 1
+        assert facts["update"] == "ok"
         assert facts["then"]["equals_eager"] and facts["then"]["replayed"] == 1

@@ -568,6 +568,28 @@ def stopped_between_calls(rank: Rank) -> dict[str, Any]:
         return {"first": first, "update": update, "then": _served(runner, backend)}
 
 
+@scenario("stopped-at-a-first-replay")
+def stopped_at_a_first_replay(rank: Rank) -> dict[str, Any]:
+    """After a weight update, each graph's first replay is agreed; the faulty rank stops
+    there, past the timeout (3 s; 4.5 s). No decode step raises for the agreement: both serve
+    that step eagerly, alike, and the next weight update captures again."""
+    import signal
+    import subprocess
+
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "3"):
+        runner, worker, backend = _serving(rank)
+        worker.update_weights(version="v2")  # nothing moved: the graphs stay, first replays agreed
+        if rank.faulty:
+            subprocess.Popen(["sh", "-c", f"sleep 4.5; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            first = _served(runner, backend)
+        except Exception as error:
+            first = {"raised": f"{type(error).__name__}: {error}"}
+        update = _attempt(lambda: worker.update_weights(version="v3"))
+        return {"first": first, "update": update, "then": _served(runner, backend)}
+
+
 @scenario("interrupted-on-one-rank")
 def interrupted_on_one_rank(rank: Rank) -> dict[str, Any]:
     """The faulty rank's weight update is interrupted (KeyboardInterrupt): it posts that like
