@@ -763,6 +763,21 @@ def test_a_label_that_is_not_utf8_drops_only_its_rank():
     group.close()
 
 
+_MEMORY = {
+    "type": "RankMemory",
+    "rank": 2,
+    "graph_bytes": 1,
+    "taken_bytes": 1,
+    "free": 1,
+    "total": 2,
+    "utilization": 0.9,
+}
+
+
+def test_the_memory_payload_a_forged_status_bends_is_otherwise_valid():
+    assert msgspec.convert(_MEMORY, messages.RankMemory).graph_bytes == 1
+
+
 @pytest.mark.parametrize(
     "status",
     [
@@ -771,7 +786,7 @@ def test_a_label_that_is_not_utf8_drops_only_its_rank():
         {"payload": 1, "failure": None},
         {"payload": None, "failure": {"rank": "x", "stage": 1, "where": None}},
         {"payload": float("nan"), "failure": None},
-        {"payload": {"type": "RankMemory", "rank": 2, "graph_bytes": 2**62}, "failure": None},
+        {"payload": {**_MEMORY, "graph_bytes": 2**62}, "failure": None},
         {"payload": [[[]]], "failure": None},
         [],
     ],
