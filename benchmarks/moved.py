@@ -74,15 +74,16 @@ def main() -> int:
             (f"forward_meta.caches[{i}]", t.data_ptr())
             for i, t in enumerate(runner.share_inputs["caches"])
         )
-    backend.take_fingerprint(runner)
-    params = len(backend.fingerprint.params)
-    buffers = len(backend.fingerprint.buffers)
-    assert backend.moved_since_capture(runner) == []
+    owner = lifecycle.state()
+    owner.captured("decode", [backend], runner)
+    params = len(owner.fingerprint(backend).params)
+    buffers = len(owner.fingerprint(backend).buffers)
+    assert owner.moved(backend, runner) == []
 
     rows = {
-        "take": lambda: backend.take_fingerprint(runner),
-        "compare": lambda: backend.moved_since_capture(runner),
-        "after rsync update": lambda: lifecycle.after("update_weights", runner, True),
+        "take": lambda: owner.captured("decode", [backend], runner),
+        "compare": lambda: owner.moved(backend, runner),
+        "after rsync update": lambda: owner.after("update_weights", runner, True),
     }
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(args.rounds):

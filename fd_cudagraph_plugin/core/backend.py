@@ -9,13 +9,12 @@ arguments, ``forward_meta`` among them. This class is that contract (``__init__`
 * ``graphs.py``: the graph table;
 * ``dispatch.py``: the one place that decides a step's graph and counts every step, and the fast
   path serving it;
-* ``capture.py``: capturing one entry, with the ranks' agreement points of ``agreement.py``;
-* ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode);
-* ``moved.py``: where its graphs read memory, which ``lifecycle.py`` checks after FastDeploy's
-  lifecycle calls; the first replay of each graph after one checks its inputs (``_verify``).
+* ``capture.py``: capturing one entry, with the ranks' agreement points (``ranks/``);
+* ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode).
 
-What a capture session asks of a backend is ``session.SessionBackend``; the rest of a worker's
-process (the reporter, metrics, the capture-loop hooks) is ``hooks.adopt``'s.
+What a capture session asks of a backend is ``session.SessionBackend``, what the lifecycle asks
+``lifecycle.Graphs``; the rest of a worker's process (the reporter, metrics, the capture-loop and
+lifecycle hooks, the check of a graph's first replay after a lifecycle call) is ``hooks.adopt``'s.
 
 Graph outputs are the tensors the captured run returned. They live in graph memory, the same
 objects come back on every replay of that size, and the next replay overwrites them: FastDeploy's
@@ -28,14 +27,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fd_cudagraph_plugin.core import hooks, lifecycle, moved, observability, process, seam
+from fd_cudagraph_plugin.core import hooks, observability, process, seam
 from fd_cudagraph_plugin.core.capture import Capturer, register, self_checks
-from fd_cudagraph_plugin.core.dispatch import EAGER, REPLAY, VERIFY, Dispatcher
+from fd_cudagraph_plugin.core.dispatch import CAPTURE, REPLAY, VERIFY, Dispatcher
 from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, ConfigError
 from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, GraphEntry, GraphTable, Step
 from fd_cudagraph_plugin.core.mode import Mode
-from fd_cudagraph_plugin.core.ranks.agreement import Agreement, outside_session, solo
+from fd_cudagraph_plugin.core.ranks.agreement import Agreement, solo
 from fd_cudagraph_plugin.core.ranks.messages import text
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
@@ -96,8 +95,6 @@ class CudaGraphBackend:
         #: The report of the last capture session this backend took part in.
         self.capture_report: CaptureReport | None = None
         self._warned: set[tuple[str, int]] = set()
-        #: Where this backend's graphs read memory, taken when a capture session ends.
-        self.fingerprint: moved.Fingerprint | None = None
         self._stats_file = observability.stats_file(settings, self._outputs)
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
@@ -110,7 +107,8 @@ class CudaGraphBackend:
                 theirs,
                 ours,
             )
-        hooks.adopt(self)
+        #: The check of each graph's first replay after a lifecycle call (``lifecycle.py``).
+        self._first_replay = hooks.adopt(self)
 
     # ------------------------------------------------------------------ the hot path
 
@@ -120,17 +118,16 @@ class CudaGraphBackend:
     # ------------------------------------------------------------------ the general path
 
     def _general(self, kwargs: dict, meta: Any, tokens: int) -> Any:
-        action, step, entry = self.dispatcher.decide(meta, tokens)
-        if action == REPLAY:
+        step, entry = self.dispatcher.decide(meta, tokens)
+        if step.action == CAPTURE:
+            return self._capture_and_run(entry, step, tokens, kwargs)
+        if step.action == VERIFY:
+            verified = self._first_replay(self, entry, kwargs)
+            step = step.replay() if verified else step.eager("memory_moved")
+        self.dispatcher.count(step, tokens)
+        if step.action == REPLAY:
             return self._replay(entry, kwargs)
-        if action == VERIFY:
-            if not self._verify(entry, kwargs):
-                return self._eager_now("memory_moved", step, tokens, kwargs)
-            self.dispatcher.replayed(step, tokens)
-            return self._replay(entry, kwargs)
-        if action == EAGER:
-            return self._eager(step, tokens, kwargs)
-        return self._capture_and_run(entry, step, tokens, kwargs)
+        return self._eager(step, tokens, kwargs)
 
     def _replay(self, entry: GraphEntry, kwargs: dict) -> Any:
         if entry.addresses and self.settings.options.check_addresses:
@@ -146,7 +143,7 @@ class CudaGraphBackend:
         """Run the step without a graph through ``dy_runnable``, as FastDeploy runs every step it
         does not graph (the dispatcher counted it), with one warning per reason and shape."""
         reason = step.reason
-        quiet = reason in ("prefill", "memory_moved")  # lifecycle.py warned once for the call
+        quiet = reason in ("prefill", "memory_moved", "unregistered")  # said once elsewhere
         if not quiet and (reason, tokens) not in self._warned and self._session is None:
             self._warned.add((reason, tokens))
             prefill = reason == "oversized_prefill"
@@ -172,7 +169,7 @@ class CudaGraphBackend:
             if self._worker.sessions_ended or self.settings.tp_size > 1:
                 # A capture on this rank alone, outside FastDeploy's capture loop, would hang
                 # tensor-parallel peers; after capture_model() every new size runs eagerly.
-                return self._eager_now("late_capture", step, tokens, kwargs)
+                return self._eager_now(step.eager("late_capture"), tokens, kwargs)
             points = solo(self.settings.options.rank_timeout)
             warmups, ordered = self.settings.num_warmups, True
         else:
@@ -197,7 +194,7 @@ class CudaGraphBackend:
                 # Its all-reduce buffers are registered with the session's others, at its end;
                 # until then the step's result is the last warm-up's, run on the same inputs.
                 session.unregistered(self, entry, kwargs)
-                self.dispatcher.ran_eagerly("unregistered", step.observed)
+                self.dispatcher.count(step.eager("unregistered"), tokens)
                 if captured.eager is not NOTHING:
                     return captured.eager
                 return self.dy_runnable(**kwargs)
@@ -213,9 +210,9 @@ class CudaGraphBackend:
             check = (str(entry.key), self, entry.key, lambda: self.check(entry, kwargs))
             if self_checks(points, [check], error):
                 self.disable(entry)
-                return self._eager_now("self_check_failed", step, tokens, kwargs)
+                return self._eager_now(step.eager("self_check_failed"), tokens, kwargs)
         # The capturing call returns real outputs too; it ran on the captured inputs.
-        self.dispatcher.replayed(step, tokens)
+        self.dispatcher.count(step.replay(), tokens)
         return self._replay(entry, kwargs)
 
     def publish(self, entry: GraphEntry) -> None:
@@ -239,9 +236,9 @@ class CudaGraphBackend:
         entry.release()
         self.dispatcher.publish(entry)
 
-    def _eager_now(self, reason: str, step: Step, tokens: int, kwargs: dict) -> Any:
-        self.dispatcher.ran_eagerly(reason, step.observed)
-        return self._eager(Step(step.key, reason, step.observed, step.by), tokens, kwargs)
+    def _eager_now(self, step: Step, tokens: int, kwargs: dict) -> Any:
+        self.dispatcher.count(step, tokens)
+        return self._eager(step, tokens, kwargs)
 
     def _decide_static_decode(self, kwargs: dict, points: Agreement) -> None:
         """Static full mode: Paddle's graphs decode where the SOT-translated program is one clean
@@ -291,76 +288,16 @@ class CudaGraphBackend:
             self.capture_report = report
         self.dispatcher.in_session(False)
 
-    # ------------------------------------------------------------------ memory that moves
+    # ------------------------------------------------------------------ what the lifecycle asks
 
     def has_graphs(self, prefill: bool = False) -> bool:
         """A graph is captured (of the prefill phase, with ``prefill``)."""
         entries = self.table.prefill.values() if prefill else self.table.all()
         return any(e.captured for e in entries)
 
-    def take_fingerprint(self, runner: Any) -> list[str] | None:
-        """Note where the graphs captured now read memory (a capture session ended); return what
-        moved since the last fingerprint (None: this is the first): why a recapture was needed,
-        or that none was."""
-        before, self.fingerprint = (
-            self.fingerprint,
-            moved.at_capture(
-                self.layer,
-                seam.input_buffers(runner),
-                (a for e in self.table.all() for a in e.addresses),
-                seam.custom_allreduce(),
-            ),
-        )
-        return before.moved(self.fingerprint) if before is not None else None
-
-    def moved_since_capture(self, runner: Any) -> list[str]:
-        """What the graphs read that is no longer where it was at their capture."""
-        if self.fingerprint is None:
-            return []
-        now = moved.now(
-            self.fingerprint, self.layer, seam.input_buffers(runner), seam.custom_allreduce()
-        )
-        return self.fingerprint.moved(now)
-
-    def suspect(self) -> None:
-        """A lifecycle call ran: each graph's next replay checks its inputs first."""
-        for entry in self.table.all():
-            entry.verified = False
-        self.dispatcher.suspect()
-
-    def _verify(self, entry: GraphEntry, kwargs: dict) -> bool:
-        """The first replay of ``entry`` since a lifecycle call: its inputs are where its capture
-        saw them on every rank (agreed: ranks must not mix replays and eager steps), or every
-        graph of the process is released and steps run eagerly until the next capture."""
-        from fd_cudagraph_plugin.core import guards
-
-        local = guards.moved_inputs(entry.addresses, kwargs)
-        try:
-            points = outside_session(self.fd_config)
-            said = points.share("inputs in place", self, entry.key, lambda: not local, bool)
-        except CaptureError as error:
-            # A decode step never fails for the agreement: every rank reads the same failure
-            # and serves eagerly until the next capture session.
-            why = f"the ranks could not agree on its inputs ({error})"
-        else:
-            if all(said):
-                entry.verified = True
-                self.dispatcher.publish(entry)
-                return True
-            ranks = ", ".join(str(rank) for rank, fine in enumerate(said) if not fine)
-            here = f"; here: {moved.summary(local)}" if local else ""
-            why = f"inputs of its graph are not where the capture saw them (rank {ranks}{here})"
-        logger.warning(
-            "CUDA graph backend %#x (%s): at the first %s step since a lifecycle call, %s.",
-            id(self),
-            self.role,
-            entry.key,
-            why,
-        )
-        lifecycle.release(
-            self._worker, self._worker.backends(), "a lifecycle call", "an input of a graph moved"
-        )
-        return False
+    def input_addresses(self) -> list[tuple[str, int]]:
+        """(name, data pointer) of the inputs its graphs were captured reading."""
+        return [address for entry in self.table.all() for address in entry.addresses]
 
     # ------------------------------------------------------------------ lifecycle
 

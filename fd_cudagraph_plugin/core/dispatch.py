@@ -29,10 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 from fd_cudagraph_plugin.core.graphs import (
+    CAPTURE,
     DECODE,
+    EAGER,
     PREFILL,
+    REPLAY,
     RUNNING,
     TOKENS,
+    VERIFY,
     GraphEntry,
     GraphKey,
     GraphTable,
@@ -41,9 +45,6 @@ from fd_cudagraph_plugin.core.graphs import (
 from fd_cudagraph_plugin.core.mode import Mode
 
 General = Callable[[dict, Any, int], Any]
-#: What the backend does with a step the hot path did not serve: ``VERIFY`` is a replay whose
-#: graph's inputs are checked first (its first since a lifecycle call), counted once it replays.
-REPLAY, VERIFY, CAPTURE, EAGER = "replay", "verify", "capture", "eager"
 
 
 class Counts:
@@ -112,9 +113,11 @@ class Dispatcher:
         #: A prefill step reached the backend in only-prefill mode (from 2.5 only static split
         #: routes them): what ``check_capture_successful`` then requires.
         self.saw_prefill_step = False
-        #: The graphs were released for memory that moved (``lifecycle.py``): until a capture
+        #: The graphs were released for memory that moved (``mark_stale``): until a capture
         #: session opens, a step whose graph is not captured runs eagerly as ``memory_moved``.
         self.stale = False
+        #: Graphs whose inputs are checked at their next replay (``suspect``).
+        self._unverified: set[GraphKey] = set()
         self._guard_every = guard_every
         self._general = general
         self.rebuild(mode, table)
@@ -123,6 +126,7 @@ class Dispatcher:
         """Serve from ``table`` under ``mode``; nothing is published in it yet."""
         self.mode = mode
         self.table = table
+        self._unverified = set()
         decode = table.decode
         # Empty in cudagraph_only_prefill mode, where decode steps never reach the lookup.
         self._decode_keys = (
@@ -153,15 +157,26 @@ class Dispatcher:
         through Paddle's partial programs, are served by the general path only."""
         if entry.phase != DECODE or entry.key.static or self.mode.only_prefill:
             return
-        servable = entry.captured and entry.registered and entry.verified and not entry.disabled
-        served = entry if servable else None
+        servable = entry.captured and entry.registered and not entry.disabled
+        served = entry if servable and entry.key not in self._unverified else None
         for key in self._keys_of.get(entry.size, ()):
             self.served[key] = served
 
     def suspect(self) -> None:
         """A lifecycle call may have moved what the graphs read: the fast path serves nothing
-        until the general path has checked each graph at its first step (and published it)."""
+        until the general path has checked each graph at its first step (``VERIFY``)."""
+        self._unverified = {entry.key for entry in self.table.all()}
         self.served[:] = [None] * len(self.served)
+
+    def verified(self, entry: GraphEntry) -> None:
+        """``entry``'s inputs are where its capture saw them: it serves again."""
+        self._unverified.discard(entry.key)
+        self.publish(entry)
+
+    def mark_stale(self) -> None:
+        """The graphs were released for memory that moved: until a capture session, a step
+        whose graph is not captured runs eagerly as ``memory_moved``."""
+        self.stale = True
 
     def _fast_path(self) -> Callable[[dict], Any]:
         """The backend's ``__call__``: serve a step from ``served`` or hand it to the general
@@ -222,43 +237,42 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ the general path
 
-    def decide(self, meta: Any, tokens: int) -> tuple[str, Step, GraphEntry | None]:
-        """What to do with a step the hot path did not serve: ``REPLAY`` its entry, ``VERIFY``
-        and then replay it, ``CAPTURE`` it, or run it ``EAGER`` (the step's ``reason`` says why).
-        A replay or an eager step is counted here; a verified replay or a capture by
-        ``replayed`` once it has run."""
+    def decide(self, meta: Any, tokens: int) -> tuple[Step, GraphEntry | None]:
+        """What to do with a step the hot path did not serve (``Step.action``), and its entry:
+        ``REPLAY`` it, ``VERIFY`` and then replay it, ``CAPTURE`` it, or run it ``EAGER``
+        (``Step.reason`` says why). Nothing is counted here: the backend reports what it did
+        (``count``)."""
         step = self.route(meta, tokens)
         if step.key is None:
-            return self._eager(step, step.reason)
+            return step, None
         if step.key.phase == PREFILL and self.mode.only_prefill:
             self.saw_prefill_step = True
         entry = self.table.entry(step.key)
         if entry.disabled:
-            return self._eager(step, "self_check_failed")
+            return step.eager("self_check_failed"), None
         if entry.captured:
             if not entry.registered:
                 # Captured in the session open now; its all-reduce buffers are registered at the
                 # session's end, and until then it must not replay.
-                return self._eager(step, "unregistered")
-            if not entry.verified:
-                return VERIFY, step, entry
-            self.replayed(step, tokens)
-            return REPLAY, step, entry
+                return step.eager("unregistered"), None
+            action = VERIFY if entry.key in self._unverified else REPLAY
+            return Step(step.key, "", step.observed, step.by, action), entry
         if self.stale:
-            return self._eager(step, "memory_moved")
+            return step.eager("memory_moved"), None
         if entry.size != tokens:
             # Graphs are captured at exact sizes only: FastDeploy's capture loop supplies them.
-            return self._eager(step, "not_captured")
-        return CAPTURE, step, entry
+            return step.eager("not_captured"), None
+        return Step(step.key, "", step.observed, step.by, CAPTURE), entry
 
-    def _eager(self, step: Step, reason: str) -> tuple[str, Step, None]:
-        self.ran_eagerly(reason, step.observed)
-        return EAGER, Step(step.key, reason, step.observed, step.by), None
-
-    def replayed(self, step: Step, tokens: int) -> None:
-        """Count a replay the general path made (the capturing call's included)."""
+    def count(self, step: Step, tokens: int) -> None:
+        """Count a step the general path served, once, as it was served: replayed, or run
+        eagerly for ``step.reason``."""
         counts = self.counts
-        if step.key.phase == PREFILL:
+        if step.action != REPLAY:
+            counts.fallbacks[step.reason] += 1
+            if step.observed is not None:
+                counts.other_keys[step.observed] += 1
+        elif step.key.phase == PREFILL:
             counts.prefill_steps[tokens] += 1
         elif step.by == RUNNING:
             counts.steps[step.observed] += 1
@@ -270,17 +284,22 @@ class Dispatcher:
         else:
             counts.steps[tokens] += 1
 
-    def ran_eagerly(self, reason: str, observed: int | None = None) -> None:
-        """Count a step run without a graph; ``observed``: a decode step's key."""
-        self.counts.fallbacks[reason] += 1
-        if observed is not None:
-            self.counts.other_keys[observed] += 1
-
-    def bypassed(self, meta: Any, tokens: int) -> None:
-        """Count a decode step FastDeploy ran without calling the backend, for being above the
-        largest captured size: ``tune`` learns what larger sizes would serve."""
-        observed = self._running(meta) if self.mode.keyed_by_running else tokens
-        self.ran_eagerly("oversized_decode", observed)
+    def around(self, meta: Any, run: Callable[[], Any]) -> Any:
+        """``run`` (FastDeploy's ``GraphOptBackend.__call__``), counting a decode step it runs
+        without calling this backend, for being above the largest captured size: what ``tune``
+        learns larger sizes would serve."""
+        if meta is None or meta.exist_prefill:
+            return run()
+        tokens = meta.ids_remove_padding.shape[0]
+        if tokens < len(self.mode.decode_table):
+            return run()
+        fallbacks = self.counts.fallbacks
+        before = fallbacks["oversized_decode"]
+        result = run()
+        if fallbacks["oversized_decode"] == before:  # the backend never saw it
+            observed = self._running(meta) if self.mode.keyed_by_running else tokens
+            self.count(Step(None, "oversized_decode", observed), tokens)
+        return result
 
     def route(self, meta: Any, tokens: int) -> Step:
         mode = self.mode

@@ -35,6 +35,11 @@ class GraphKey:
         return f"{self.phase} size {self.size}"
 
 
+#: What the backend does with a step (``Step.action``): replay its graph, check its inputs first
+#: (the graph's first replay since a lifecycle call), capture it, or run it eagerly.
+REPLAY, VERIFY, CAPTURE, EAGER = "replay", "verify", "capture", "eager"
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     """The dispatcher's decision for one step that the hot path did not serve."""
@@ -48,6 +53,13 @@ class Step:
     observed: int | None = None
     #: ``TOKENS`` or ``RUNNING``: what ``key.size`` was found from.
     by: str = TOKENS
+    action: str = EAGER
+
+    def replay(self) -> Step:
+        return Step(self.key, "", self.observed, self.by, REPLAY)
+
+    def eager(self, reason: str) -> Step:
+        return Step(self.key, reason, self.observed, self.by, EAGER)
 
 
 #: ``Captured.eager`` when no warm-up ran before the capture.
@@ -86,7 +98,6 @@ class GraphEntry:
         "graph_bytes",
         "addresses",
         "disabled",
-        "verified",
         "registered",
     )
 
@@ -108,9 +119,6 @@ class GraphEntry:
         self.addresses: tuple[tuple[str, int], ...] = ()
         #: The self-check found this graph wrong: the key is served eagerly (``GraphTable``).
         self.disabled = False
-        #: Its inputs were where the capture saw them at its first replay since the last
-        #: lifecycle call (``backend.verify``); the hot path serves only verified graphs.
-        self.verified = True
         #: Its all-reduce buffers are registered (``capture.py``): before, it never replays.
         self.registered = False
 
@@ -131,7 +139,6 @@ class GraphEntry:
         self.graph_bytes = captured.graph_bytes
         self.capture_seconds = captured.seconds
         self.addresses = captured.addresses
-        self.verified = True
         self.registered = False
 
     def release(self) -> None:

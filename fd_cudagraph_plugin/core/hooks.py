@@ -1,6 +1,7 @@
 """FastDeploy's capture loops run inside a ``CaptureSession``, and its memory profile and the end
 of each capture loop call the KV reserve (``reserve.py``); its lifecycle calls end in
-``lifecycle.after`` (memory that moved); a backend FastDeploy builds joins its process (``adopt``).
+the process's ``Lifecycle`` (memory that moved); a backend FastDeploy builds joins its process
+(``adopt``).
 
 ``GPUModelRunner.capture_model()`` (decode) and ``capture_model_prefill_and_mixed()`` (static split
 prefill) own the dummy runs that make the backends capture; the wrappers keep those loops and
@@ -20,10 +21,11 @@ from fd_cudagraph_plugin.core.errors import CaptureError
 from fd_cudagraph_plugin.core.session import CaptureSession, SessionBackend
 
 
-def adopt(backend: SessionBackend) -> None:
+def adopt(backend: SessionBackend) -> lifecycle.FirstReplay:
     """A backend was built: the process keeps it (clears, stats and sessions reach every live
     one), the periodic reporter and metrics start with the first, the capture loops are wrapped
-    for runners imported some other way, and an open session takes it in."""
+    for runners imported some other way, and an open session takes it in. Returns the check of
+    each graph's first replay after a lifecycle call, which the backend runs."""
     worker = process.current()
     worker.add(backend)
     options = backend.settings.options
@@ -33,28 +35,20 @@ def adopt(backend: SessionBackend) -> None:
         seam.wrap_graph_opt_backend_call(_counting_steps_above_the_graphs)
     if worker.session is not None:
         worker.session.join(backend)
+    return lifecycle.state().first_replay
 
 
 def _counting_steps_above_the_graphs(original: Callable) -> Callable:
-    """``GraphOptBackend.__call__``, also counting the decode steps it runs without the backend
-    for being above the largest captured size (for the stats file; only when it is on)."""
+    """``GraphOptBackend.__call__``, through the backend's dispatcher, which counts the decode
+    steps it runs without the backend (``Dispatcher.around``)."""
 
     @functools.wraps(original)
     def __call__(graph_opt_backend: Any, **kwargs: Any) -> Any:
-        backend = seam.graph_backend_of(graph_opt_backend)
-        dispatcher = getattr(backend, "dispatcher", None)
+        dispatcher = getattr(seam.graph_backend_of(graph_opt_backend), "dispatcher", None)
+        if dispatcher is None:
+            return original(graph_opt_backend, **kwargs)
         meta = kwargs.get("forward_meta")
-        if dispatcher is None or meta is None or meta.exist_prefill:
-            return original(graph_opt_backend, **kwargs)
-        tokens = meta.ids_remove_padding.shape[0]
-        if tokens < len(dispatcher.mode.decode_table):
-            return original(graph_opt_backend, **kwargs)
-        counts = dispatcher.counts
-        before = counts.fallbacks["oversized_decode"]
-        result = original(graph_opt_backend, **kwargs)
-        if counts.fallbacks["oversized_decode"] == before:  # the backend never saw it
-            dispatcher.bypassed(meta, tokens)
-        return result
+        return dispatcher.around(meta, lambda: original(graph_opt_backend, **kwargs))
 
     return __call__
 

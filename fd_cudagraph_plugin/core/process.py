@@ -62,16 +62,8 @@ class WorkerProcess:
         self.announced = False
         #: (class, attribute) pairs the plugin added to FastDeploy's classes (seam.py).
         self.patches: list[tuple[type, str]] = []
-        #: Lifecycle calls running now (a wake-up may call another): only the outermost one's
-        #: end is checked (lifecycle.py).
-        self.lifecycle_depth = 0
-        #: The lifecycle call after which the plugin released the graphs for memory that moved,
-        #: until they are captured again (lifecycle.py).
-        self.stale_after: str | None = None
-        #: Prefill graphs were among those released: the recapture runs the prefill loop too.
-        self.stale_prefill = False
-        #: Why the plugin runs the capture loops itself, while it does: the summary line says it.
-        self.recapture_cause = ""
+        #: The lifecycle's state, a ``lifecycle.Lifecycle`` (only lifecycle.py writes it).
+        self.lifecycle: object | None = None
 
     @property
     def options(self) -> PluginOptions:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from fd_cudagraph_plugin.core import budget, outputs, process, seam, warmups
+from fd_cudagraph_plugin.core import budget, lifecycle, outputs, process, seam, warmups
 from fd_cudagraph_plugin.core.budget import Reserve
 from fd_cudagraph_plugin.core.capture import register, self_checks
 from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError, human_bytes, plural
@@ -73,9 +73,8 @@ class SessionBackend(Protocol):
     def session_closed(self, report: CaptureReport | None) -> None:
         """The session closed; ``report`` is what it captured (None when it failed)."""
 
-    def take_fingerprint(self, runner: Any) -> list[str] | None:
-        """Note where the graphs now read memory; return what moved since the last time (None:
-        there was none)."""
+    def input_addresses(self) -> Any:
+        """(name, data pointer) of the inputs its graphs were captured reading."""
 
     def publish(self, entry: GraphEntry) -> None:
         """``entry``'s all-reduce buffers are registered: it may serve."""
@@ -574,15 +573,11 @@ class CaptureSession:
     def _finish(self) -> None:
         report = self.report
         report.warmup_note = warmups.note(report, self.members)
-        self.process.stale_after = None
-        if self.phase == "prefill":
-            self.process.stale_prefill = False
-        report.cause = self.process.recapture_cause
-        if self.runner is not None and report.records:
-            for member in self.members:
-                names = member.take_fingerprint(self.runner)
-                if names is not None:
-                    report.moved = (report.moved or []) + [f"{member.role} {n}" for n in names]
+        owner = lifecycle.state()
+        report.cause = owner.cause
+        report.moved = owner.captured(
+            self.phase, self.members if report.records else [], self.runner
+        )
         prefix = f"{self.purpose}: " if self.purpose else ""
         logger.info("%s%s", prefix, report.summary())
         path = self.options.memory_report
