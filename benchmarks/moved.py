@@ -50,7 +50,7 @@ def main() -> int:
     from simulated import TestRuntime
 
     from fd_cudagraph_plugin import plugin
-    from fd_cudagraph_plugin.core import lifecycle, runtime
+    from fd_cudagraph_plugin.core import lifecycle, moved, runtime, seam
 
     logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
     plugin.register()
@@ -76,8 +76,10 @@ def main() -> int:
         )
     owner = lifecycle.state()
     owner.captured("decode", [backend], runner)
-    params = len(owner.fingerprint(backend).params)
-    buffers = len(owner.fingerprint(backend).buffers)
+    taken = moved.at_capture(
+        backend.layer, seam.input_buffers(runner), backend.input_addresses(), None
+    )
+    params, buffers = len(taken.params), len(taken.buffers)
     assert owner.moved(backend, runner) == []
 
     rows = {

@@ -3,23 +3,20 @@ and trusted everywhere else.
 
 The dispatcher owns the routing rule in two forms, kept equal by ``tests/test_dispatch.py``:
 
-* ``route(meta, tokens)``: every step's ``Step``, the graph key that serves it (phase, static or
-  dynamic, size) or why it runs eagerly, and what it is counted under; ``decide`` adds what the
-  backend does with it (replay, capture, or run it eagerly, and why);
+* ``route(meta, tokens)``: every step's graph key (phase, static or dynamic, size) or why it runs
+  eagerly, and what it is counted under; ``decide`` adds what the backend does with it
+  (``Step.action``), and the backend reports what it did once (``count``);
 * ``serve``: the same rule for the one common case, a decode step whose graph is captured, as a
-  closure over the table ``served`` (key -> entry) that ``publish`` keeps. The backend's
-  ``__call__`` is this closure: a few local reads, one list index, ``replay()`` and one counter.
-  Every step it does not serve goes to the backend's general path, which asks ``decide``.
+  closure over the table ``served`` that ``publish`` keeps: the backend's ``__call__``.
 
-Counting is here too, for both paths: served traffic and capture-time runs apart (``Counts``:
-``tune`` fits sizes to served steps only), the served ones switched in while no capture session
-is open. ``steps[key]`` counts decode replays by the hot path's key (token count, or running
-requests under speculative decoding), and under speculative decoding ``tokens[key]`` their tokens
-(elsewhere a key's tokens are the key). ``other_keys`` counts the decode steps of a key that its
-graph did not serve: run eagerly, or (speculative) replayed by token count, which ``by_tokens``
-counts. ``prefill_steps`` counts prefill replays by token count. Lists never change size, so
-another thread may read them while serving goes on; the Counters are read through ``dict()``
-copies, which CPython makes in one C call under the GIL.
+Every counter is here, for both paths and for the steps FastDeploy runs above the largest graph
+without the backend (``around``): served traffic and capture-time runs apart (``tune`` fits sizes
+to served steps only). ``steps[key]`` counts decode replays by the hot path's key (token count,
+or running requests under speculative decoding, where ``tokens[key]`` counts their tokens);
+``other_keys`` the decode steps of a key its graph did not serve, ``by_tokens`` those replayed by
+token count under speculative decoding, ``prefill_steps`` prefill replays. Lists never change
+size, so another thread may read them while serving goes on; the Counters are read through
+``dict()`` copies, made in one C call under the GIL.
 """
 
 from __future__ import annotations

@@ -38,16 +38,13 @@ logger = logging.getLogger("fd_cudagraph_plugin")
 
 
 class Serving(Protocol):
-    """What the lifecycle tells a backend's dispatcher."""
+    """What the lifecycle tells a backend's dispatcher (``dispatch.Dispatcher``)."""
 
-    def suspect(self) -> None:
-        """A call may have moved what the graphs read: check each at its first replay."""
+    def suspect(self) -> None: ...
 
-    def verified(self, entry: Any) -> None:
-        """``entry``'s inputs are where its capture saw them: serve it."""
+    def verified(self, entry: Any) -> None: ...
 
-    def mark_stale(self) -> None:
-        """The graphs were released for memory that moved: run uncaptured steps eagerly."""
+    def mark_stale(self) -> None: ...
 
 
 class Graphs(Protocol):
@@ -60,8 +57,7 @@ class Graphs(Protocol):
 
     def has_graphs(self, prefill: bool = False) -> bool: ...
 
-    def input_addresses(self) -> Iterable[tuple[str, int]]:
-        """(name, data pointer) of the inputs its graphs were captured reading."""
+    def input_addresses(self) -> Iterable[tuple[str, int]]: ...
 
     def clear_graph(self) -> None: ...
 
@@ -166,7 +162,10 @@ class Lifecycle:
         for member in members:
             before = self._fingerprints.get(member)
             self._fingerprints[member] = moved.at_capture(
-                member.layer, seam.input_buffers(runner), member.input_addresses(), _allreduce()
+                member.layer,
+                seam.input_buffers(runner),
+                member.input_addresses(),
+                seam.custom_allreduce(),
             )
             if before is not None:
                 names = before.moved(self._fingerprints[member])
@@ -208,14 +207,10 @@ class Lifecycle:
 
     # -------------------------------------------------------------------- what it does
 
-    def fingerprint(self, backend: Graphs) -> moved.Fingerprint | None:
-        """Where ``backend``'s graphs read memory, as of their capture (None: not captured)."""
-        return self._fingerprints.get(backend)
-
     def moved(self, backend: Graphs, runner: Any) -> list[str]:
         """What ``backend``'s graphs read that is no longer where it was at their capture."""
         before = self._fingerprints[backend]
-        now = moved.now(before, backend.layer, seam.input_buffers(runner), _allreduce())
+        now = moved.now(before, backend.layer, seam.input_buffers(runner), seam.custom_allreduce())
         return before.moved(now)
 
     def _release(self, backends: list[Graphs], event: str, why: str) -> None:
@@ -296,10 +291,6 @@ def _agreed(error: BaseException) -> bool:
         if error is None:
             return False
     return False
-
-
-def _allreduce() -> Any:
-    return seam.custom_allreduce()
 
 
 def _runner_of(owner: Any) -> Any:

@@ -3,15 +3,15 @@
 A CUDA graph reads fixed device addresses. FastDeploy's lifecycle (``sleep``, ``wakeup``, the RL
 weight updates, deterministic mode's reset after capture) frees and re-makes some of what a decode
 graph reads: the weights, the KV cache, ``rope_emb``, the MTP draft's inputs. It recaptures on some
-of those paths only, so a graph could replay against freed memory (issue 30).
+of those paths only, so a graph could replay against freed memory.
 
 A ``Fingerprint`` is taken when a capture session ends: the data pointer of each
 parameter of the decorated layer, of each runner buffer that a graph was captured reading (a
 tensor of ``share_inputs`` or the draft's ``model_inputs`` whose address a graph's inputs had:
 the KV caches, ``rope_emb``, the input ids; matched by address because ``forward_meta`` is a new
-object at every step), and which custom all-reduce instance the graphs registered with. Taking one
-for a model of 600 parameters costs about 0.6 ms on the 2-core CPU machine; it is never taken or
-compared on the replay path. ``lifecycle.py`` compares it after every lifecycle call.
+object at every step), and which custom all-reduce instance the graphs registered with. It is
+never taken or compared on the replay path; ``lifecycle.py`` compares it after every lifecycle
+call.
 """
 
 from __future__ import annotations

@@ -3,15 +3,8 @@
 FastDeploy builds backends one at a time and gives them no shared object, so what outlives one
 backend lives here, on one object per process: the live backends, the capture session open now,
 the agreement links, the options read once, and the state of the parts that span sessions (the KV
-reserve, the stats reporter, failed side-channel writes). Each part's state is written by its own
-module only (``reserve.py``, ``observability.py``, ``outputs.py``); the rest of the package is
-handed what it needs.
-
-The other process-wide state of the package, by design: the runtime registry
-(``runtime.get_runtime``: every backend of a process shares one runtime and its pools) and the
-Prometheus metrics (``observability.py``: ``prometheus_client`` registers them once per
-process).
-Tests start each case with a fresh ``WorkerProcess`` (``reset_for_tests``), as a new worker would.
+reserve, the lifecycle, the stats reporter, failed side-channel writes), each written by its own
+module only. Tests start each case with a fresh ``WorkerProcess`` (``reset_for_tests``).
 """
 
 from __future__ import annotations
@@ -22,13 +15,19 @@ from typing import Any, Protocol
 
 from fd_cudagraph_plugin.core.options import PluginOptions
 from fd_cudagraph_plugin.core.outputs import OutputFailures
-from fd_cudagraph_plugin.core.ranks.link import Link
 
 
 class OpenSession(Protocol):
     """The capture session open now (``session.CaptureSession``), as a new backend meets it."""
 
     def join(self, member: Any) -> None: ...
+
+
+class Link(Protocol):
+    """A link to the group's agreement (``ranks.link``), as the process keeps it."""
+
+    rank: int
+    world: int
 
 
 class Stoppable(Protocol):

@@ -15,7 +15,6 @@ import contextlib
 import importlib
 import inspect
 import logging
-import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -338,7 +337,7 @@ def _holds(model: Any, layer: object) -> bool:
 
 # ------------------------------------------------------------------------ the lifecycle
 
-#: The runner's calls that free or re-make what a graph reads (issue 30), and what each leaves:
+#: The runner's calls that free or re-make what a graph reads, and what each leaves:
 #: ``True`` when the model can serve (and so capture) right after it, ``False`` when its weights
 #: or KV cache are gone until a later call. ``sleep``, ``wakeup`` and ``update_weights`` exist from
 #: 2.5 (``r3_cherry_pick_2.5`` has no ``sleep`` or ``wakeup``); ``clear_parameters`` and
@@ -460,16 +459,6 @@ def clear_ipc_handles() -> None:
 
 
 # ------------------------------------------------------------------------ the job's store
-
-
-def job_endpoint() -> str:
-    """Where the job's store listens, found as Paddle's ``init_parallel_env`` finds it
-    (``MASTER_ADDR`` and ``MASTER_PORT``, else ``PADDLE_MASTER``, else the first of
-    ``PADDLE_TRAINER_ENDPOINTS``): what tells this job from another on the same host."""
-    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if address and port:
-        return f"{address}:{port}"
-    return os.environ.get("PADDLE_MASTER") or os.environ.get("PADDLE_TRAINER_ENDPOINTS", "")
 
 
 def job_store() -> Any:

@@ -6,8 +6,7 @@ prefill) own the dummy runs that make the backends capture. Each runs inside a `
 
 * holds off Python's automatic garbage collection for the session, so no collection of the
   process's live objects pauses a capture, and turns it back on afterwards, also on error (no
-  full collection first: with Paddle loaded one took 60-100 ms that FastDeploy's own capture does
-  not spend; ``gc.freeze()``'s bookkeeping took up to 17 ms a session on the H200 host);
+  full collection first, and no ``gc.freeze()``: docs/design.md says what each cost);
 * agrees the plan of every tensor-parallel rank before the first capture (``plan_of``: what must
   be equal on every rank for captures to line up) and the warm-ups each graph gets
   (``warmups.py``); its ``Agreement`` holds the later points (``agreement.py``);
@@ -54,11 +53,9 @@ from fd_cudagraph_plugin.core.warmups import WarmedSizes
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 
-class SessionBackend(Protocol):
+class SessionBackend(lifecycle.Graphs, Protocol):
     """What a session asks of each backend taking part in it."""
 
-    layer: object
-    role: str
     settings: Settings
     mode: Mode
     runtime: GraphRuntime
@@ -72,9 +69,6 @@ class SessionBackend(Protocol):
 
     def session_closed(self, report: CaptureReport | None) -> None:
         """The session closed; ``report`` is what it captured (None when it failed)."""
-
-    def input_addresses(self) -> Any:
-        """(name, data pointer) of the inputs its graphs were captured reading."""
 
     def publish(self, entry: GraphEntry) -> None:
         """``entry``'s all-reduce buffers are registered: it may serve."""
@@ -226,7 +220,7 @@ class CaptureReport:
         if self.cause:
             text = f"recaptured by the plugin {self.cause}: {text}"
         elif self.moved is not None:
-            # A capture FastDeploy asked for again: say whether it had to (issue 30).
+            # A capture FastDeploy asked for again: say whether it had to.
             text += "; since the last capture " + (
                 f"moved: {moved_summary(self.moved)}"
                 if self.moved

@@ -9,20 +9,9 @@ FastDeploy sends every lifecycle call to every worker, and every rank serves the
 such point is a session of its own (``Link.next_epoch``), so ranks that lost step there meet
 again at the next one.
 
-**The points of a capture session**, in order (TP = 1 runs the same code, agreeing with itself):
-
-1. ``plan``: every rank's capture plan; a difference is a ``RankMismatchError``;
-2. per graph ``warm-up`` (after the eager warm-ups, before the device synchronises: a rank whose
-   warm-up failed never launched its all-reduces) and ``capture`` (before the next warm-up's
-   all-reduces);
-3. ``static probe`` before the first static-full decode capture;
-4. at the session's end, ``registration`` (after the one registration of every graph's
-   all-reduce buffers, a collective entered only once every capture was agreed), ``self-check``
-   when it is on, and ``end``, which also catches a rank that failed anywhere between two points:
-   that rank posts its failure at its next point, whichever it is.
-
-A rank whose step failed still posts, and every rank raises the error built from all ranks'
-statuses (``agreed_error``), so the message is the same on every rank.
+The points, and what each comes before, are docs/design.md's table ("Tensor parallelism"). A rank
+whose step failed still posts, and every rank raises the error built from all ranks' statuses
+(``agreed_error``), so the message is the same on every rank.
 """
 
 from __future__ import annotations

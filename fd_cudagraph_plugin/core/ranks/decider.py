@@ -2,19 +2,12 @@
 departures in, one outcome per point out, the same for every rank.
 
 A point **completes** when every rank of the group posted at it and is still connected. It is
-**abandoned**, for every rank alike, when
-
-* a rank gave up at it (its ``FD_CUDAGRAPH_RANK_TIMEOUT`` ran out: the operator's clock, never
-  one of ours);
-* a rank that had joined is gone (its connection closed: its process exited), also where it
-  posted already, since it will never join the collective after the point;
-* a rank that did not post is waiting at another point, or has posted past this one: the ranks
-  have lost step, and the outcome says where each is.
-
-A rank that is merely late is waited for. Decisions are taken in ``settle()``, after each batch of
-messages, so a give-up read in the same batch as the last post wins. A decision never changes,
-and a rank that posts at a decided point (it came late, or its connection was made again) gets
-the same outcome. Not thread-safe: one thread calls it.
+**abandoned** when a rank gave up at it (its ``FD_CUDAGRAPH_RANK_TIMEOUT``: the operator's clock),
+a rank that had joined is gone (also where it posted: it will never join the collective after the
+point), or a rank that did not post waits at another point or posted past this one (the ranks
+lost step). A late rank is waited for. Decisions are taken in ``settle()``, after each batch of
+messages, so a give-up read with the last post wins; a decision never changes, and a rank that
+posts at a decided point gets the same outcome. Not thread-safe: one thread calls it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Where a tensor-parallel group agrees, and how each rank joins it.
 
 TP rank 0 starts the server and publishes its endpoint and a fresh token in Paddle's job store,
-which every FastDeploy worker has (``fleet.init``); the other ranks read both, connect, present
-the token in ZeroMQ's handshake and say hello. Where the server listens:
-
-* every rank of the group on this host (Paddle's launcher's ``PADDLE_TRAINER_ENDPOINTS``, or no
-  launcher saying otherwise): a Unix socket in a directory made for this server alone, with a name
-  nobody can guess (``mkdtemp``, mode 0700), under the first of ``$XDG_RUNTIME_DIR``, the
-  temporary directory and ``/tmp`` where the socket's path fits. Nobody can make it first, no
-  older group ever held it, and a rank connects only to a socket in a directory that is this
-  user's alone, so a planted store entry cannot point it elsewhere;
-* the group spans hosts, or ``FD_CUDAGRAPH_AGREEMENT_INTERFACE`` / ``_PORTS`` are set: TCP on rank
-  0's node address (``PADDLE_CURRENT_ENDPOINT``), or the address or interface given, on a port of
-  the range given or the kernel's choice. Whoever can read the job store can read the token: the
-  job's network must be trusted (docs/design.md).
-
-A rank that finds a stale entry (an older server of the same name, gone or with another token)
-reads the store again until rank 0 has published, within ``FD_CUDAGRAPH_RANK_TIMEOUT`` in all.
+which every FastDeploy worker has; the other ranks read both, connect, present the token in
+ZeroMQ's handshake and say hello. On one host the server listens on a Unix socket in a directory
+made for it alone (nobody can make it first, no older group held it, and a rank connects only to
+a socket in a directory that is its user's alone); across hosts, or with
+``FD_CUDAGRAPH_AGREEMENT_INTERFACE`` / ``_PORTS``, on TCP. A rank that meets a stale entry reads
+the store again until rank 0 has published. docs/design.md, "Where it listens", says why.
 """
 
 from __future__ import annotations
@@ -45,8 +35,7 @@ logger = logging.getLogger("fd_cudagraph_plugin")
 
 #: The longest Unix socket path used: the kernel's limit is 107 bytes (``sun_path``).
 MAX_SOCKET_PATH = 100
-#: Seconds between reads of the store while waiting for TP rank 0 to publish; each read is one
-#: store round trip (about 44 ms with Paddle 3.3.1).
+#: Seconds between reads of the store while waiting for TP rank 0 to publish.
 _STORE_POLL_SECONDS = 0.05
 
 

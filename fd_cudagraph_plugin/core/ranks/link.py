@@ -2,16 +2,11 @@
 outcome TP rank 0's server decided for every rank.
 
 A rank never decides a point alone while the server can still answer: when its
-``FD_CUDAGRAPH_RANK_TIMEOUT`` runs out it asks the server to abandon the point and keeps waiting
-for the server's answer, which is either that abandonment or the completion the server decided
-first; both are what every other rank reads. It decides alone only when the server's process is
-gone (its connection closed and cannot be made again) or has not answered for a second timeout
-(rank 0's whole process stopped or starved): the one case where two ranks can end a point apart
-is a stall of rank 0's process longer than the timeout, between a decision and its sending.
-
-Points are keyed (session epoch, point number). A rank's next session starts after the highest
-epoch the server has seen any rank reach (``Outcome.top``), so ranks that lost step meet again at
-the next session, and a rank that comes back after a failure joins the others there.
+``FD_CUDAGRAPH_RANK_TIMEOUT`` runs out it asks the server to abandon the point and waits for the
+server's verdict, that abandonment or the completion decided first. It decides alone only when
+the server is gone, or silent for a second timeout (rank 0's whole process stopped or starved).
+A rank's next session starts after the highest epoch any rank reached (``Outcome.top``), so
+ranks that lost step meet again there.
 """
 
 from __future__ import annotations

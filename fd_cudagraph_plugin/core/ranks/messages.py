@@ -1,22 +1,14 @@
 """Every message of the ranks' agreement: one ``msgspec.Struct`` each, encoded as MessagePack.
 
-msgspec is in FastDeploy's requirements on every release, and FastDeploy's own engine messages
-are ``msgspec.Struct``s. A peer's bytes are read by one strict typed decoder per direction
-(``TO_SERVER``, ``TO_RANK``): exact fields and types (a ``bool`` is no ``int``, no text is parsed
-into a number), every number in its range (``Meta``: NaN and infinity fail every bound), every
-text within its length and valid UTF-8 (MessagePack requires it), every list and map within its
-size. A message that fails costs only the peer that sent it. What types cannot say is checked
-where it is used and named there: that a posted failure is the posting rank's own
-(``server.py``), and that an outcome names only ranks of the group (``Outcome.fits``).
+A peer's bytes are read by one strict typed decoder per direction (``TO_SERVER``, ``TO_RANK``)
+whose ``Meta`` bounds say what a peer may send; one that fails costs only the peer that sent it.
+What types cannot say is checked where it is used: that a posted failure is the poster's own
+(``server.py``), that an outcome names only ranks of the group (``Outcome.fits``), that a message
+has at most ``MAX_PARTS`` parts.
 
-Who sends what:
-
-* a rank to TP rank 0's server: ``Hello`` (with its rank), ``Post`` (its ``Status`` at a point:
-  ok, a payload, or its ``Failure``), ``GiveUp`` (its ``FD_CUDAGRAPH_RANK_TIMEOUT`` ran out);
-* the server to a rank: ``Welcome``, ``Refused``, ``Outcome`` (one per point, the same bytes for
-  every rank), ``Ping`` (a probe of whether its connection still exists), ``ServerFailed``;
-* what ranks share at points (``Payload``): ``PlanPayload``, ``RankMemory``, ``Moved``,
-  ``SelfChecks``, a verdict (text or None) and a flag.
+A rank sends ``Hello``, ``Post`` and ``GiveUp``; the server ``Welcome``, ``Refused``, ``Outcome``
+(the same bytes for every rank), ``Ping`` and ``ServerFailed``; ranks share a ``Payload`` at
+points.
 """
 
 from __future__ import annotations
@@ -30,8 +22,7 @@ from msgspec import Meta, Raw, Struct
 PROTOCOL = 4
 #: Largest TP group: FastDeploy sets no bound; none larger than a few nodes exists.
 MAX_RANKS = 1024
-#: The largest post, the plan point's: 0.9 KiB for a target and an MTP draft with 36 sizes, 5 KiB
-#: at FastDeploy's limits (``tests/test_channel.py`` measures both).
+#: The largest post, the plan point's (``tests/test_channel.py`` measures it).
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
 MAX_TEXT = 2000

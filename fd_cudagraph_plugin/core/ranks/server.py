@@ -1,17 +1,11 @@
 """TP rank 0's agreement server: one ROUTER, one ``Decider``, one thread, nothing that blocks.
 
-Each rank's DEALER (rank 0's too, in the process) connects with a routing id of its own, the
-same for as long as its link lives, so a connection made again after it closed is the same rank
-(``ROUTER_HANDOVER``). Peers present the group's token in ZeroMQ's PLAIN handshake, checked by
-pyzmq's ``ThreadAuthenticator``: a peer without it is refused before it is a peer.
-
-Who is gone comes from libzmq: the socket monitor reports that a connection closed (not whose),
-and a send to a routing id without a connection fails (``ROUTER_MANDATORY``). After a closed
-connection the server probes every rank with a ``Ping``, a few milliseconds later (libzmq ends
-the closed connection's pipe a moment after it reports it) and again up to a second after, and
-completes no point until the first probe has said who is gone: a rank whose process exited is
-never counted as arrived, and is named within a second. Nothing else loses a rank: a rank that is
-slow, stopped or starved is waited for until a peer's ``FD_CUDAGRAPH_RANK_TIMEOUT`` runs out.
+Each rank's DEALER keeps one routing id for its life, so a connection made again is the same rank
+(``ROUTER_HANDOVER``); peers without the group's token are refused in ZeroMQ's PLAIN handshake
+(pyzmq's ``ThreadAuthenticator``). Who is gone comes from libzmq alone: the monitor says that a
+connection closed (not whose), and a send to a routing id without a connection fails
+(``ROUTER_MANDATORY``), so after a close every rank is probed, and no point completes before the
+first probe (libzmq ends the pipe a moment after it reports the close). Nothing else loses a rank.
 """
 
 from __future__ import annotations
@@ -193,7 +187,7 @@ class Server(threading.Thread):
 
     def _read(self) -> list[tuple[bytes, bytes]]:
         """Up to ``BATCH`` messages, each read part by part: a message of more parts than a
-        rank sends is drained and never held (one of 4 million empty parts once took 580 MiB)."""
+        rank sends is drained and never held."""
         batch = []
         recv = self.router.recv
         for _ in range(BATCH):

@@ -3,8 +3,8 @@
 Liveness comes from libzmq and from nothing else: a connection closes when its process exits (on
 one host at once; over TCP when the peer's kernel resets it), which the socket monitor reports.
 There are no ZMTP heartbeats: they would be a second clock beside ``FD_CUDAGRAPH_RANK_TIMEOUT``
-that drops a live rank for a stall shorter than the operator's timeout (a stop of 7 s broke the
-0.5.0 group for good). A rank that is alive but slow is waited for until its peers' timeout.
+that drops a live rank for a stall shorter than the operator's timeout. A rank that is alive but
+slow is waited for until its peers' timeout.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ _guarded = False
 
 def keep_standard_descriptors() -> None:
     """Fill a closed descriptor 0, 1 or 2 with ``/dev/null`` before the first socket opens: a
-    socket that took fd 2 would receive every line written to stderr (it happened: FastDeploy's
-    console log went into the 0.4.0 channel, every rank stopped). Done under a lock, and marked
-    done only after, so that no thread opens a context while another still fills them."""
+    socket that took fd 2 would receive every line written to stderr, FastDeploy's console log
+    among them. Done under a lock, and marked done only after, so that no thread opens a context
+    while another still fills them."""
     global _guarded
     with _guard:
         if _guarded:
