@@ -27,6 +27,11 @@ What differs per release, in ``FDConfig.__init__``, ``init_with_cudagrpah_size``
   turn it off, so every role filters; from 2.5 the mixed role turns it off first, so only the
   prefill and decode roles filter. The padding maps are built before the filter either way.
 - ``FDConfig.check`` caps ``max_num_seqs`` at 256 (2.4, 2.5) or 512 (2.6 and later).
+- ``FDConfig.postprocess``, after the lists are built: the prefill role sets ``use_cudagraph`` to
+  ``cudagraph_only_prefill``; ``--dynamic-load-weight`` sets ``graph_opt_level`` to 0 (every tree);
+  a host cache (``--swap-space``, ``num_cpu_blocks`` > 0) turns ``cudagraph_only_prefill`` off on
+  develop (r3_mm_dev) only, after the role read it and after the decode list was capped at 512
+  for it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ class Release:
     #: The decode cap is ``min(512, ...)`` under speculative decoding too (2.4, r3_cherry_pick_2.5;
     #: r3_ban_cpucache_2.5 applies 512 only without a SpeculativeConfig, which is never).
     caps_speculative_at_512: bool = False
+    #: ``postprocess`` turns ``cudagraph_only_prefill`` off when a host cache is configured
+    #: (``num_cpu_blocks``, from ``--swap-space``): r3_mm_dev only.
+    host_cache_ends_only_prefill: bool = False
 
     @property
     def source(self) -> str:
@@ -138,7 +146,7 @@ RULES = {
         Release("develop-e53f518", "develop", "e53f518", "2026-04-15", 512, False, SPEC_METHODS,
                 ("mtp", "suffix"), "2.6"),
         Release("develop", "r3_mm_dev", "564c78d", "2026-05-20", 512, True, SPEC_METHODS,
-                ("mtp", "suffix", "ngram"), "2.6"),
+                ("mtp", "suffix", "ngram"), "2.6", host_cache_ends_only_prefill=True),
     )
 }  # fmt: skip
 RELEASES = tuple(RULES)
@@ -214,6 +222,10 @@ class ServingSettings:
     use_cudagraph: bool = True
     #: FastDeploy's ``use_ep``: expert parallelism over more than one rank.
     expert_parallel: bool = False
+    #: ``--dynamic-load-weight`` (``LoadConfig.dynamic_load_weight``).
+    dynamic_load_weight: bool = False
+    #: A host KV cache: ``--swap-space`` above 0 (``CacheConfig.num_cpu_blocks`` > 0).
+    host_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,6 +241,9 @@ class Derived:
     use_cudagraph: bool
     #: ``filter_capture_size(tp)`` ran (sequence-parallel MoE kept on with tp > 1).
     filtered: bool
+    #: ``graph_opt_level`` and ``cudagraph_only_prefill`` as ``postprocess`` leaves them.
+    graph_opt_level: int = 0
+    only_prefill: bool = False
 
 
 def auto_candidates(per_step: int = 1) -> list[int]:
@@ -312,6 +327,11 @@ def derive(release: Release, settings: ServingSettings) -> Derived:
     # FDConfig.postprocess: the prefill role sets use_cudagraph to cudagraph_only_prefill,
     # whatever was given.
     use_cudagraph = s.only_prefill if s.splitwise_role == "prefill" else s.use_cudagraph
+    # RL weight loading: "Static Graph does not support to be started together with RL Training".
+    level = 0 if s.dynamic_load_weight else s.graph_opt_level
+    # r3_mm_dev: "Layer-by-layer swap-in is incompatible with CUDA Graph prefill capture"; the
+    # lists were built (decode capped at 512) for cudagraph_only_prefill before this.
+    only_prefill = s.only_prefill and not (s.host_cache and release.host_cache_ends_only_prefill)
     sp_moe = s.sequence_parallel_moe and use_cudagraph
     if sp_moe and s.splitwise_role == "mixed" and not release.filters_before_roles:
         sp_moe = False  # _disable_sequence_parallel_moe_if_needed("Mixed"), before the filter
@@ -331,6 +351,8 @@ def derive(release: Release, settings: ServingSettings) -> Derived:
         real_bsz_to_captured_size=bsz,
         use_cudagraph=use_cudagraph,
         filtered=filtered,
+        graph_opt_level=level,
+        only_prefill=only_prefill,
     )
 
 
