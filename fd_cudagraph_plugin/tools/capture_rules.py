@@ -160,11 +160,17 @@ DEFAULT_RELEASE = "develop"
 RELEASE_LINES = {"2.4": "2.4", "2.5": "2.5", "2.6": "2.6"}
 #: Tree names the flag also takes, for the two trees no release line maps to.
 TREE_NAMES = ("2.5-cherry-pick", "develop-e53f518")
-#: A ``fastdeploy-gpu`` version as pip shows it: 2.6, 2.6.1, 2.5.0.post1.
-_VERSION = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})(\.[0-9]{1,5})?(\.post[0-9]{1,5})?")
+#: A ``fastdeploy-gpu`` version as pip shows it: 2.6, 2.6.1, 2.5.0.post1, a release candidate
+#: 2.6.0rc1 (cut from its release branch, so its line's rules), with or without a leading v.
+_VERSION = re.compile(
+    r"v?([0-9]{1,3})\.([0-9]{1,3})(\.[0-9]{1,5})?(\.post[0-9]{1,5})?((a|b|rc)[0-9]{1,5})?"
+)
+#: A development build (``2.3.0-dev``, ``2.6.0.dev0``): FastDeploy's trees report the release
+#: before the one they become (2.4_r3 says 2.3.0-dev, develop at e53f518 2.6.0-dev).
+_DEV = re.compile(r"v?[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,5})?(-dev|\.dev[0-9]{0,5})")
 VERSION_FORMS = (
-    "a fastdeploy-gpu version: 2.4, 2.5 or 2.6, or a full one such as 2.6.1 or 2.5.0.post1; or "
-    "develop"
+    "a fastdeploy-gpu version: 2.4, 2.5 or 2.6, or a full one such as 2.6.1, 2.5.0.post1, "
+    "2.6.0rc1 or v2.6; or develop"
 )
 
 
@@ -182,10 +188,15 @@ def rules_for_version(text: str) -> str:
         return word
     if len(word) > 40:
         raise UnknownVersion(f"must be {VERSION_FORMS}; got {text[:40]!r}... ({len(text)} chars)")
+    if _DEV.fullmatch(word):
+        raise UnknownVersion(
+            f"fastdeploy-gpu {word} is a development build, which no version string places: "
+            "FastDeploy's trees report the release before theirs (2.4_r3 says 2.3.0-dev, develop "
+            "2.6.0-dev). Pass the release line its tree was cut for (2.4, 2.5 or 2.6), or develop"
+        )
     found = _VERSION.fullmatch(word)
     if found is None:
-        hint = " (a develop build: pass develop)" if "dev" in word else ""
-        raise UnknownVersion(f"must be {VERSION_FORMS}; got {text!r}{hint}")
+        raise UnknownVersion(f"must be {VERSION_FORMS}; got {text!r}")
     line = f"{int(found[1])}.{int(found[2])}"
     if line not in RELEASE_LINES:
         known = ", ".join(RELEASE_LINES)
