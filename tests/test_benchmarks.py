@@ -340,3 +340,25 @@ def test_plugin_surface_needs_no_torch_and_every_call_works_on_the_plugin(
     }
     assert public == set(called)
     assert "torch" not in sys.modules
+
+
+def test_fastdeploy_warmups_needs_fastdeploys_backend():
+    done = run_capture_benchmark("--fastdeploy-warmups", "1")
+    assert done.returncode == 2
+    assert "--fastdeploy-warmups needs --fastdeploy-backend" in done.stderr
+
+
+@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
+def test_capture_benchmark_times_fastdeploys_own_warmup_knob_in_the_same_rounds():
+    """README's recapture figure stands beside what FastDeploy's cudagraph_num_of_warmups: 1
+    gives: a third row, timed in the same interleaved rounds, with its own ratio."""
+    done = run_capture_benchmark(
+        "--recapture", "--fastdeploy-backend", str(SEED_BACKEND), "--fastdeploy-warmups", "1"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if "FastDeploy backend, 1 warm-up " in line]
+    assert len(rows) == 2 and all("1 warm-up/size" in row for row in rows)
+    ratios = [
+        line for line in done.stdout.splitlines() if "/ FastDeploy backend, 1 warm-up's" in line
+    ]
+    assert len(ratios) == 2
