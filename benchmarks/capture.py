@@ -98,14 +98,18 @@ class NoopCudaGraph:
         pass
 
 
-def time_capture(backend_class, max_num_seqs: int, recapture: bool = False) -> list[Timing]:
-    """One ``capture_model()`` and, with ``recapture``, ``clear_graph()`` and a second one."""
+def time_capture(
+    backend_class, max_num_seqs: int, recapture: bool = False, warmups: int | None = None
+) -> list[Timing]:
+    """One ``capture_model()`` and, with ``recapture``, ``clear_graph()`` and a second one.
+    ``warmups``: ``cudagraph_num_of_warmups`` (None: FastDeploy's default, 2)."""
     graph_optimization_backend.CudaGraphPiecewiseBackend = backend_class
     # A fresh worker before the model is built: each backend belongs to the worker it was built
     # in, and one built before the reset never joins the session capture_model() opens (it then
     # runs every size eagerly as a late capture, and the timing is of eager runs).
     process.reset_for_tests()
-    config = make_config(max_num_seqs)
+    graph = {} if warmups is None else {"cudagraph_num_of_warmups": warmups}
+    config = make_config(max_num_seqs, **graph)
     model = FixedCostBackbone(fd_config=config)
     runner = GPUModelRunner(config, model)
     runner.profile_run()  # builds the backend (GraphOptBackend makes it at its first call)
@@ -168,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recapture", action="store_true", help="also clear_graph() + capture_model() again"
     )
+    parser.add_argument(
+        "--fastdeploy-warmups",
+        type=bounded(1, 10),
+        default=None,
+        help="with --fastdeploy-backend, also time FastDeploy's backend with "
+        "--graph-optimization-config '{\"cudagraph_num_of_warmups\": N}' in the same rounds",
+    )
     args = parser.parse_args(argv)
     EAGER_SECONDS = args.eager_ms / 1e3
 
@@ -183,15 +194,25 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         native.graphs = type("graphs", (), {"CUDAGraph": NoopCudaGraph})
         paddle.device.synchronize = lambda *a, **k: None  # CPU Paddle refuses; a GPU would wait
-        backends[FASTDEPLOY] = native.CudaGraphPiecewiseBackend
-    backends[PLUGIN] = CudaGraphBackend
+        backends[FASTDEPLOY] = (native.CudaGraphPiecewiseBackend, None)
+        if args.fastdeploy_warmups is not None:
+            each = "warm-up" if args.fastdeploy_warmups == 1 else "warm-ups"
+            tuned = f"{FASTDEPLOY}, {args.fastdeploy_warmups} {each}"
+            backends[tuned] = (native.CudaGraphPiecewiseBackend, args.fastdeploy_warmups)
+    elif args.fastdeploy_warmups is not None:
+        print("capture.py: --fastdeploy-warmups needs --fastdeploy-backend.", file=sys.stderr)
+        return 2
+    backends[PLUGIN] = (CudaGraphBackend, None)
     # Interleaved rounds, the order reversed on odd ones, medians: load that comes and goes
     # hits both alike. timings[name][round] is [first capture] or [first, recapture].
     timings: dict[str, list[list[Timing]]] = {name: [] for name in backends}
     for round_ in range(args.rounds):
         order = list(backends) if round_ % 2 == 0 else list(reversed(backends))
         for name in order:
-            timings[name].append(time_capture(backends[name], args.max_num_seqs, args.recapture))
+            backend_class, warmups = backends[name]
+            timings[name].append(
+                time_capture(backend_class, args.max_num_seqs, args.recapture, warmups)
+            )
     # A backend that captured fewer graphs than sizes ran them eagerly: its time per size would
     # be of eager runs, not of captures, so no figure is printed for it.
     short = [
@@ -245,8 +266,9 @@ def print_section(timings: dict[str, list[list[Timing]]], index: int) -> None:
             f"  {name:22s} total {run.seconds * 1e3:6.1f} ms (setup {run.setup * 1e3:4.1f} ms)  "
             f"{spread(per_size[name], 2)} ms/size  {run.warmups:g} {each}/size{reported}"
         )
-    if len(names) == 2:
-        print(f"  {PLUGIN} / {FASTDEPLOY}'s time per size, per round: {ratio_text(per_size)}")
+    for other in names:
+        if other.startswith(FASTDEPLOY):
+            print(f"  {PLUGIN} / {other}'s time per size, per round: {ratio_text(per_size, other)}")
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -255,10 +277,10 @@ def spread(values: list[float], digits: int) -> str:
     return f"{mid:.{digits}f} ({low:.{digits}f}..{high:.{digits}f})"
 
 
-def ratio_text(per_size: dict[str, list[float]]) -> str:
+def ratio_text(per_size: dict[str, list[float]], other: str = FASTDEPLOY) -> str:
     """The per-round ratios plugin / FastDeploy: median (min..max), and "below noise" where the
     rounds disagree on which backend was faster."""
-    ratios = [p / f for p, f in zip(per_size[PLUGIN], per_size[FASTDEPLOY], strict=True)]
+    ratios = [p / f for p, f in zip(per_size[PLUGIN], per_size[other], strict=True)]
     text = f"{spread(ratios, 2)}x"
     return f"{text}: below noise" if min(ratios) <= 1 <= max(ratios) else text
 

@@ -203,3 +203,162 @@ def test_moved_memory_benchmark_times_the_checks_on_the_parameters_and_buffers_i
     assert int(found[1]) == 43 and int(found[2]) >= 6, done.stdout
     for row in ("take", "compare", "after rsync update"):
         assert f"  {row} " in done.stdout
+
+
+# ------------------------------------------------------------------ the GPU parts, on the CPU
+
+GPU = REPO / "benchmarks" / "gpu"
+#: What a bench may not touch of the plugin but through plugin_surface.py: the package, the
+#: backend's public fields, and the mark register() leaves on the runner's methods.
+PLUGIN_ATTRIBUTES = {"capture_report", "stats", "captures", "role", "_fd_cudagraph_original"}
+PLUGIN_NAMES = {"fd_cudagraph_plugin", "capture_report", "_fd_cudagraph_original"}
+
+
+def _plugin_surface():
+    spec = importlib.util.spec_from_file_location("plugin_surface", GPU / "plugin_surface.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _reaches_around(path: Path) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Attribute) and node.attr in PLUGIN_ATTRIBUTES:
+            if ast.unparse(node.value).endswith("plugin_surface"):
+                continue  # plugin_surface.role(...): the way in
+            names = [f".{node.attr}"]
+        elif isinstance(node, ast.Constant) and node.value in PLUGIN_NAMES:
+            names = [repr(node.value)]
+        else:
+            continue
+        found += [
+            f"{path.name}:{node.lineno} {name}"
+            for name in names
+            if name.startswith(("fd_cudagraph_plugin", ".", "'"))
+        ]
+    return found
+
+
+def test_every_gpu_part_reaches_the_plugin_only_through_plugin_surface():
+    """run.sh's parts need a GPU and torch, which CI has not; what they read of the plugin is
+    in plugin_surface.py, which the next test runs on the CPU. bench_budget.py read
+    process.current().reserve.applied, which a refactor removed, and crashed on an H200."""
+    parts = sorted(GPU.glob("*.py"))
+    assert {p.name for p in parts} >= {"harness.py", "bench_budget.py", "bench_wakeup.py"}
+    around = [hit for path in parts if path.name != "plugin_surface.py" for hit in
+              _reaches_around(path)]  # fmt: skip
+    assert not around, around
+    # Every part run.sh runs is a file here.
+    run_sh = (GPU / "run.sh").read_text(encoding="utf-8")
+    assert {p.name for p in parts} >= set(re.findall(r"run (\w+\.py) ", run_sh))
+
+
+def test_plugin_surface_needs_no_torch_and_every_call_works_on_the_plugin(
+    plugin_registered, monkeypatch, tmp_path
+):
+    """Each function a GPU part calls, against the plugin on the simulated runtime with the
+    FastDeploy stand-in; a function added to plugin_surface.py must be called here too."""
+    import inspect
+
+    from conftest import DecoratedMixing, make_config
+    from fastdeploy.model_executor.graph_optimization import graph_optimization_backend
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+    from fastdeploy.worker.gpu_worker import GpuWorker, initialize_kv_cache
+
+    surface = _plugin_surface()
+    assert "torch" not in sys.modules
+    monkeypatch.setenv("FD_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("FD_CUDAGRAPH_KV_RESERVE", "auto")
+    report_path = tmp_path / "memory.json"
+    monkeypatch.setenv("FD_CUDAGRAPH_MEMORY_REPORT", str(report_path))
+    plugin_registered.device_total = 1 << 30
+    config = make_config(8, cudagraph_capture_sizes=[8, 4, 2, 1])
+    model = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    initialize_kv_cache(GpuWorker(config, runner))
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+
+    called = {}
+
+    def call(name, *args):
+        called[name] = getattr(surface, name)(*args)
+        return called[name]
+
+    target = call("entry_point_target", str(REPO))
+    assert target == "fd_cudagraph_plugin.plugin:register"
+    call("register", target)
+    assert graph_optimization_backend.CudaGraphPiecewiseBackend is type(backend)
+    # The stand-in's platform is the CPU: register() stood aside from the CUDA runtime there.
+    assert "not NVIDIA CUDA" in call("why_not_bound")
+    try:
+        assert set(call("runtime_check")) == {"paddle_cuda_unset", "cuda_graph_support"}
+    except Exception as error:  # CPU Paddle lacks CUDA calls; the GPU's setup part reports it
+        called["runtime_check"] = error
+        assert "cuda" in f"{type(error).__name__}: {error}".lower()
+    facts = call("plugin_facts", str(REPO), "installed")
+    assert facts["plugin_is_this_checkout"] and facts["plugin_version"]
+    figures, missing = call("figures", backend, str(report_path))
+    # 7 captures: the KV reserve's probe captured 3 of the sizes first.
+    assert missing == [] and figures["plugin_stats"]["captures"] == 7
+    assert figures["memory_report_file"]["graphs"] == 4
+    assert call("report", backend).graphs == 4
+    assert call("summary", backend).startswith("captured 4 graphs")
+    assert set(call("session_timings", backend)) >= {"setup_ms", "own_capture_seconds_sum_ms"}
+    # 1 for the 3 sizes the probe warmed, 2 for the one it did not.
+    assert call("warmups_by_role", backend) == {"target": [1, 2]}
+    assert set(call("served", backend)) == {"replays", "eager"}
+    fields, lacking = call("report_fields", backend)
+    assert not lacking and fields["graphs"] == 4
+    nbytes, source = call("kv_reserve", backend)
+    assert nbytes is not None and nbytes > 0 and source
+    assert call("margin", 1 << 30) == (1 << 30) // 20
+    assert call("is_wrapped", GPUModelRunner.capture_model)
+    original = call("unwrapped", GPUModelRunner.capture_model)
+    assert not surface.is_wrapped(original)
+    assert call("captures", backend) == 7 and call("role", backend) == "target"
+    needs = call("requirements", str(REPO))
+    assert needs["pyzmq"] == "zmq" and "tqdm" in needs
+    readme = (GPU / "README.md").read_text(encoding="utf-8")
+    assert all(f"`{name}`" in readme for name in needs), "the GPU README must list each"
+    import logging
+
+    assert logging.getLogger(surface.LOGGER) is logging.getLogger("fd_cudagraph_plugin")
+    public = {
+        name
+        for name, value in vars(surface).items()
+        if inspect.isfunction(value)
+        and not name.startswith("_")
+        and value.__module__ == "plugin_surface"
+    }
+    assert public == set(called)
+    assert "torch" not in sys.modules
+
+
+def test_fastdeploy_warmups_needs_fastdeploys_backend():
+    done = run_capture_benchmark("--fastdeploy-warmups", "1")
+    assert done.returncode == 2
+    assert "--fastdeploy-warmups needs --fastdeploy-backend" in done.stderr
+
+
+@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
+def test_capture_benchmark_times_fastdeploys_own_warmup_knob_in_the_same_rounds():
+    """README's recapture figure stands beside what FastDeploy's cudagraph_num_of_warmups: 1
+    gives: a third row, timed in the same interleaved rounds, with its own ratio."""
+    done = run_capture_benchmark(
+        "--recapture", "--fastdeploy-backend", str(SEED_BACKEND), "--fastdeploy-warmups", "1"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if "FastDeploy backend, 1 warm-up " in line]
+    assert len(rows) == 2 and all("1 warm-up/size" in row for row in rows)
+    ratios = [
+        line for line in done.stdout.splitlines() if "/ FastDeploy backend, 1 warm-up's" in line
+    ]
+    assert len(ratios) == 2

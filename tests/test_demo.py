@@ -78,3 +78,26 @@ def test_cli_rejects_bad_sizes_with_a_usage_error():
         timeout=60,
     )
     assert result.returncode == 2 and "positive integers" in result.stderr
+
+
+def test_the_demo_says_a_failed_write_of_the_plugin_on_standard_error(
+    monkeypatch, tmp_path, capsys
+):
+    """The plugin logs to FastDeploy's worker log, which the demo keeps in a temporary
+    FD_LOG_DIR: a stats file the disk refused was said nowhere."""
+    from fd_cudagraph_plugin.core import outputs
+    from fd_cudagraph_plugin.tools.cli import main
+
+    stats = tmp_path / "stats.jsonl"
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(stats))
+    real = outputs.write_file
+
+    def full_disk(path, *args, **kwargs):
+        if str(path) == str(stats):
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(outputs, "write_file", full_disk)
+    assert main(["demo", "--steps", "20", "--sizes", "1,2", "--runtime", "simulated"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"FD_CUDAGRAPH_STATS_FILE: cannot write {stats}") == 1, err[-2000:]

@@ -716,6 +716,8 @@ def test_num_model_steps_raises_k_for_mtp_as_speculative_config_does():
         ("2.5.0.post1", "2.5"),
         ("2.5", "2.5"),
         ("2.6.1", "2.6"),
+        ("2.6.0rc1", "2.6"),
+        ("v2.6", "2.6"),
         ("develop", "develop"),
         ("2.5-cherry-pick", "2.5-cherry-pick"),
     ],
@@ -737,7 +739,9 @@ def test_a_fastdeploy_gpu_version_is_answered_by_its_release_lines_rules(version
     [
         ("2.7.0", "fastdeploy-gpu 2.7.0 is no release line these rules were read for"),
         ("2.3", "no release line"),
-        ("2.6.0-dev", "(a develop build: pass develop)"),
+        ("2.6.0-dev", "is a development build, which no version string places"),
+        ("2.3.0-dev", "2.4_r3 says 2.3.0-dev"),
+        ("2.6.0.dev0", "Pass the release line its tree was cut for (2.4, 2.5 or 2.6), or develop"),
         ("latest", "must be a fastdeploy-gpu version"),
     ],
 )

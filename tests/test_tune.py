@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -16,8 +17,10 @@ from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.observability import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.core.outputs import OutputFailures
 from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.tools import engine_args
 from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
 from fd_cudagraph_plugin.tools.cli import main
+from fd_cudagraph_plugin.tools.plan import derive_plan
 from fd_cudagraph_plugin.tools.traces import TraceError, read_histogram
 from fd_cudagraph_plugin.tools.tune import format_result, optimal_sizes, padded_tokens, tune
 
@@ -624,3 +627,196 @@ def test_tune_json_says_its_format(tmp_path, capsys):
     trace.write_text("3\n")
     assert main(["tune", str(trace), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "fd-cudagraph-tune/1"
+
+
+# ------------------------------------------------------------------ the launch line (issue 37)
+
+
+def _lognormal() -> Counter:
+    """A log-normal decode trace (20k steps, 1..256 tokens), as the issue's."""
+    rng = random.Random(0)
+    return Counter(max(1, min(256, int(rng.lognormvariate(3.5, 0.8)))) for _ in range(20000))
+
+
+EXPERT_PARALLEL = ["-tp", "8", "--enable-expert-parallel", "--splitwise-role", "decode"]
+
+
+def _tune_json(argv, capsys) -> dict:
+    assert main(["tune", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def _plan_json(argv, capsys) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("release", ["2.4", "2.6", "develop"])
+def test_under_expert_parallelism_tune_recommends_only_what_the_launch_captures(
+    release, tmp_path, capsys
+):
+    """The issue: without the launch, tune chose 27 sizes of which filter_capture_size kept 2.
+    With it, every tuned size survives plan's derivation of that launch, and the baseline is the
+    default list as that launch keeps it."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(str(n) for n, c in _lognormal().items() for _ in range(c)))
+    launch = ["--max-num-seqs", "256", "--fastdeploy-version", release, *EXPERT_PARALLEL]
+    result = _tune_json([str(trace), *launch], capsys)
+    tuned = result["capture_sizes"]
+    assert len(tuned) == 24 and all(size % 8 == 0 for size in tuned)
+    assert "filter_capture_size keeps only sizes divisible by 8" in result["kept_by"]
+    planned = _plan_json([*launch, "--capture-sizes", ",".join(map(str, tuned))], capsys)
+    # 2.4 puts a 0 first under expert parallelism, which is no graph.
+    assert [size for size in planned["cudagraph_capture_sizes"] if size] == tuned
+    default = [size for size in _plan_json(launch, capsys)["cudagraph_capture_sizes"] if size]
+    assert result["baseline_capture_sizes"] == default and len(default) == 24
+    assert result["padded_tokens"] < result["baseline_padded_tokens"]
+
+
+def test_in_the_mixed_role_from_2_5_no_size_is_filtered_and_tune_says_nothing_of_it(capsys):
+    """From 2.5 the mixed role turns sequence-parallel MoE off before the filter (2.4 filters)."""
+    histogram = {3: 10, 5: 4, 17: 2}
+    launch = engine_args.serving_input(
+        {"tensor_parallel_size": 8, "enable_expert_parallel": True, "max_num_seqs": 64}
+    )
+    mixed = tune(histogram, 3, fastdeploy_version="2.6", launch=launch)
+    assert mixed.capture_sizes == [17, 5, 3] and not mixed.kept_by
+    older = tune(histogram, 3, fastdeploy_version="2.4", launch=launch)
+    assert all(size % 8 == 0 for size in older.capture_sizes) and older.kept_by
+
+
+def test_under_speculative_decoding_the_filter_is_on_token_sizes(capsys):
+    """k = 1: FastDeploy captures s x 2 tokens and keeps those divisible by TP 4, so running
+    requests must be even; plan of the same launch keeps every tuned size."""
+    launch = engine_args.serving_input(
+        {
+            "tensor_parallel_size": 4,
+            "enable_expert_parallel": True,
+            "splitwise_role": "decode",
+            "max_num_seqs": 32,
+            "speculative_config": '{"method": "mtp", "num_speculative_tokens": 1}',
+        }
+    )
+    result = tune(
+        {1: 9, 3: 5, 7: 3, 30: 1},
+        3,
+        num_speculative_tokens=1,
+        fastdeploy_version="2.6",
+        launch=launch,
+    )
+    assert result.capture_sizes == [30, 8, 4]
+    plan = derive_plan(
+        dataclasses.replace(launch, capture_sizes=(30, 8, 4), fastdeploy_version="2.6")
+    )
+    assert plan.capture_sizes == [60, 16, 8]
+
+
+def test_a_max_size_the_launch_would_filter_is_refused_with_the_reason(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("3\n9\n30\n")
+    argv = ["tune", str(trace), "--max-size", "30", "--max-num-seqs", "64", *EXPERT_PARALLEL]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--max-size 30: with sequence-parallel MoE under TP 8 (role decode)" in err
+    assert "Give a multiple of 8." in err
+
+
+def test_a_tuned_list_the_launch_would_cut_is_refused_not_recommended(monkeypatch):
+    """The last guard: whatever the fit chose is derived again as plan derives the launch, and a
+    size FastDeploy would drop is refused (here the fit is made to forget the filter)."""
+    from fd_cudagraph_plugin.tools import tune as tune_module
+
+    real = tune_module._Target.__init__
+
+    def forgetful(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.divisor = 1
+
+    monkeypatch.setattr(tune_module._Target, "__init__", forgetful)
+    launch = engine_args.serving_input(
+        {"tensor_parallel_size": 8, "enable_expert_parallel": True, "splitwise_role": "decode"}
+    )
+    with pytest.raises(ConfigError, match=r"the tuned list \(.*\) would lose 17, 5, 3 in this"):
+        tune({3: 10, 5: 4, 17: 2, 64: 1}, 4, fastdeploy_version="2.6", launch=launch)
+
+
+def test_a_graph_cap_says_what_it_costs_in_padded_tokens(capsys, tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(["1", "2", "3", "5", "9", "17", "33", "40"] * 3))
+    assert main(["tune", str(trace), "--max-graphs", "3"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "the cap of 3 graphs (--max-graphs) costs 72 padded tokens against the best 8 graphs"
+        in (out)
+    )
+    assert main(["tune", str(trace)]) == 0
+    assert "the cap of" not in capsys.readouterr().out
+
+
+SATURATED_LINE = (
+    '{"format": "fd-cudagraph-stats/1", "time": 1.0, "rank": 0, "backend": "7f", '
+    '"decode_token_counts": {"1": 5, "3": 4, "6": 5, "8": 86}, "capture_sizes": [8, 4, 2, 1], '
+    '"max_num_seqs": 256'
+)
+
+
+@pytest.mark.parametrize(
+    ("eager", "said"),
+    [
+        ("", "how many ran eagerly above it is unknown: these stats do not count them"),
+        (', "eager_above_largest": {"40": 100, "200": 50}', "60.0% of all steps ran eagerly"),
+        (', "eager_above_largest": 150', "60.0% of all steps ran eagerly above it (150 steps of"),
+    ],
+    ids=["before 0.6.0", "by count", "a total"],
+)
+def test_a_saturated_deployed_list_is_warned_with_the_share_served_eagerly(
+    eager, said, tmp_path, capsys
+):
+    """The issue: sizes [1, 2, 4, 8], 256 requests, 86% of the steps at 8, got "100.0% fewer"
+    and no warning. The steps above 8 never reach the plugin's backend."""
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text(SATURATED_LINE + eager + "}\n")
+    result = _tune_json([str(stats)], capsys)
+    (warning,) = result["warnings"]
+    assert "the deployed list ends at 8 tokens, below the 256 this deployment allows" in warning
+    assert "86.0% of the steps its graphs served ran at 8" in warning and said in warning
+    if "200" in eager:  # by count: weighed as the steps they are
+        assert result["capture_sizes"][0] == 200 and result["baseline_eager_steps"] == 150
+    if eager.endswith("150"):  # counts unknown: the tuned list ends where they fit
+        assert result["capture_sizes"][0] == 256
+
+
+def test_a_list_at_max_num_seqs_with_few_steps_at_it_is_not_warned(tmp_path, capsys):
+    stats = tmp_path / "stats.jsonl"
+    line = SATURATED_LINE.replace('"max_num_seqs": 256', '"max_num_seqs": 8')
+    stats.write_text(line + "}\n")
+    assert _tune_json([str(stats)], capsys)["warnings"] == []
+    stats.write_text(SATURATED_LINE.replace('"8": 86', '"8": 2') + "}\n")
+    assert _tune_json([str(stats)], capsys)["warnings"] == []
+
+
+@pytest.mark.parametrize(
+    "value", ['"many"', '{"x": 1}', '{"40": -1}', "true"], ids=["text", "key", "steps", "bool"]
+)
+def test_a_bad_eager_above_largest_names_the_line(value, tmp_path, capsys):
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text(SATURATED_LINE + f', "eager_above_largest": {value}}}\n')
+    assert main(["tune", str(stats)]) == 2
+    assert f'{stats}:1: "eager_above_largest"' in capsys.readouterr().err
+
+
+def test_tune_takes_the_same_launch_line_as_plan(tmp_path, capsys, monkeypatch):
+    """Where FastDeploy is not importable (the stand-in's parser lacks --port's siblings)."""
+    from fd_cudagraph_plugin.tools import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "installed_fastdeploy", lambda: None)
+    launch = [
+        *("--model", "/models/ERNIE-4.5-21B-A3B-Paddle", "--port", "8180"),
+        *("--max-model-len", "32768", "--quantization", "wint4", "--max-num-seqs", "64"),
+    ]
+    trace = tmp_path / "trace.txt"
+    trace.write_text("3\n5\n17\n40\n")
+    assert main(["tune", str(trace), *launch]) == 0, capsys.readouterr().err
+    assert "--model, --max-model-len, --quantization, --port change nothing" in (
+        capsys.readouterr().out
+    )

@@ -186,18 +186,18 @@ def one_start() -> dict:
     except Exception as error:
         out["cuda_usable_after"] = f"{type(error).__name__}: {str(error)[:200]}"
     if args.backend == "plugin":
-        from fd_cudagraph_plugin.core import budget, process
+        import plugin_surface
 
-        reserve = process.current().reserve.applied
-        if reserve is not None:
-            out["reserve_mib"] = round(reserve.nbytes / MiB, 1)
-            out["reserve_source"] = reserve.source[:300]
-        report = getattr(backend, "capture_report", None)
+        nbytes, source = plugin_surface.kv_reserve(backend)
+        if nbytes is not None:
+            out["reserve_mib"] = round(nbytes / MiB, 1)
+            out["reserve_source"] = source[:300]
+        report = plugin_surface.report(backend)
         if report is not None and out["captured"]:
             out["graph_mib"] = round(report.graph_bytes / MiB, 1)
             out["graphs"] = report.graphs
             out["summary"] = report.summary()
-        out["margin_mib"] = round(budget.margin(torch.cuda.mem_get_info()[1]) / MiB, 1)
+        out["margin_mib"] = round(plugin_surface.margin(torch.cuda.mem_get_info()[1]) / MiB, 1)
     text = out.get("capture_error") or out.get("summary") or ""
     found = UTILIZATION.search(text)
     out["advised_util"] = float(found.group(1)) if found else None

@@ -176,17 +176,7 @@ for rnd in range(args.rounds):
             totals[name].append(total)
             steps[name].append(dict(step_s))
             if is_plugin:
-                rep = be.capture_report
-                own = be.stats()["capture_seconds"]
-                reports[name].append(
-                    {
-                        "setup_ms": rep.setup_seconds * 1e3,
-                        "agreement_ms": rep.agreement_seconds * 1e3,
-                        "agreement_points": rep.agreement_points,
-                        "session_ms": rep.seconds * 1e3,
-                        "own_capture_seconds_sum_ms": sum(own.values()) * 1e3,
-                    }
-                )
+                reports[name].append(H.plugin_surface.session_timings(be))
         except Exception as error:
             broken.add(name)
             out["errors"].append(f"{name} round {rnd}: " + H.fmt_exc(error, 1500))

@@ -117,10 +117,9 @@ if args.backend == "plugin":
     out["plugin_graph_mib"] = per
     fig, _ = H.plugin_figures(bt, report_detail=False)
     out["pool_policy"] = (fig.get("plugin_stats") or {}).get("pool_policy")
-    out["roles"] = [getattr(bt, "role", None), getattr(bd, "role", None)]
-    rep = getattr(bt, "capture_report", None)
+    out["roles"] = [H.plugin_surface.role(bt), H.plugin_surface.role(bd)]
     try:
-        out["report_summary"] = rep.summary() if rep is not None else None
+        out["report_summary"] = H.plugin_surface.summary(bt)
     except Exception:
         missing.add("capture_report.summary")
 

@@ -258,10 +258,7 @@ rows: dict[str, dict[str, list[dict]]] = {k: {e: [] for e in EVENTS} for k in ki
 def plugin_warmups(arm: Arm) -> dict | None:
     """The plugin's own count: capture_report.records[].warmups by role."""
     try:
-        found: dict[str, set[int]] = defaultdict(set)
-        for r in arm.bt.capture_report.records:
-            found[r.role].add(r.warmups)
-        return {role: sorted(v) for role, v in sorted(found.items())}
+        return H.plugin_surface.warmups_by_role(arm.bt)
     except AttributeError:
         missing.add("capture_report.records[].role/warmups")
         return None

@@ -124,7 +124,7 @@ class Collect(logging.Handler):
             records.append(f"[{phase['now']}] {record.levelname}: {record.getMessage()}"[:600])
 
 
-plugin_logger = logging.getLogger("fd_cudagraph_plugin")
+plugin_logger = logging.getLogger(H.plugin_surface.LOGGER)
 plugin_logger.addHandler(Collect(logging.INFO))
 if plugin_logger.level == logging.NOTSET:
     plugin_logger.setLevel(logging.INFO)
@@ -269,14 +269,10 @@ def fault_line(trace: str) -> str:
 
 def plugin_captures(bt, bd) -> dict | None:
     try:
-        return {"target": bt.captures, "draft": bd.captures}
+        return {"target": H.plugin_surface.captures(bt), "draft": H.plugin_surface.captures(bd)}
     except AttributeError:
         missing.add("backend.captures")
         return None
-
-
-def _total(value) -> int:
-    return sum(map(_total, value.values())) if isinstance(value, dict) else int(value)
 
 
 def served(bt, bd) -> dict:
@@ -285,11 +281,7 @@ def served(bt, bd) -> dict:
     found = {}
     for name, backend in (("target", bt), ("draft", bd)):
         try:
-            stats = backend.stats()
-            found[name] = {
-                "replays": _total(stats["replays"]),
-                "eager": _total(stats["eager_fallbacks"]),
-            }
+            found[name] = H.plugin_surface.served(backend)
         except Exception as error:
             missing.add(f"stats(): {type(error).__name__}: {error}"[:200])
             found[name] = {"replays": 0, "eager": 0}
@@ -297,19 +289,10 @@ def served(bt, bd) -> dict:
 
 
 def plugin_report(backend) -> dict | None:
-    report = getattr(backend, "capture_report", None)
-    if report is None:
+    if H.plugin_surface.report(backend) is None:
         return None
-    found = {}
-    for name in ("seconds", "graphs", "cause", "moved"):
-        if hasattr(report, name):
-            found[name] = getattr(report, name)
-        else:
-            missing.add(f"capture_report.{name}")
-    try:
-        found["summary"] = report.summary()
-    except Exception as error:
-        missing.add(f"capture_report.summary(): {type(error).__name__}")
+    found, lacking = H.plugin_surface.report_fields(backend)
+    missing.update(lacking)
     return found
 
 
@@ -337,16 +320,14 @@ try:
     holder["runner"] = runner
     Runner = type(runner)
     out["plugin_wraps_lifecycle"] = {
-        name: hasattr(getattr(Runner, name), "_fd_cudagraph_original")
+        name: H.plugin_surface.is_wrapped(getattr(Runner, name))
         for name in ("capture_model", "sleep", "wakeup")
     }
     if args.backend == "fd":
         # FastDeploy's backend has no hooks: its runner's methods as written, whatever wrapped
         # them (the plugin is never registered in this process).
         def unwrapped(name):
-            method = getattr(Runner, name)
-            while hasattr(method, "_fd_cudagraph_original"):
-                method = method._fd_cudagraph_original
+            method = H.plugin_surface.unwrapped(getattr(Runner, name))
             return lambda *a: method(runner, *a)
 
         capture_model = lambda: H.plain_capture_model(runner)  # noqa: E731
@@ -365,7 +346,7 @@ try:
     H.sync()
     out["first_capture_s"] = round(time.perf_counter() - started, 4)
     out["graphs_captured"] = {"first": made["graphs"]}
-    first_report = getattr(bt, "capture_report", None)
+    first_report = H.plugin_surface.report(bt)
     if args.backend == "plugin":
         out["plugin_captures"] = {"first": plugin_captures(bt, bd)}
         out["plugin_first_capture"] = plugin_report(bt)
@@ -416,7 +397,7 @@ try:
         out["plugin_captures"]["after_wakeup"] = plugin_captures(bt, bd)
         out["plugin_recapture"] = (
             plugin_report(bt)
-            if getattr(bt, "capture_report", None) is not first_report
+            if H.plugin_surface.report(bt) is not first_report
             else "none: no capture session ran during the wake-up"
         )
     write_history(runner.share_inputs, g)

@@ -19,11 +19,9 @@ and device and timing helpers. ``python harness.py`` is run.sh's ``setup`` part.
 from __future__ import annotations
 
 import gc
-import importlib
 import importlib.util
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -37,10 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 DRY = os.environ.get("FD_HARNESS_CPU_DRY_RUN") == "1"
 FASTDEPLOY_BACKEND_ENV = "FD_HARNESS_FASTDEPLOY_BACKEND"
-ENTRY_POINT_GROUP = "fastdeploy.model_register_plugins"
 MiB = 2**20
 
 import fd_stubs  # noqa: E402
+import plugin_surface  # noqa: E402
 import torch  # noqa: E402
 import torch_paddle_shim  # noqa: E402
 
@@ -135,39 +133,16 @@ def fastdeploy_status() -> str:
 
 
 def entry_point_target() -> str:
-    """'module:function' of the plugin's entry point: from the installed metadata if the plugin is
-    installed, else from the checkout's setup.py."""
-    try:
-        from importlib.metadata import entry_points
-
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if ep.value.startswith("fd_cudagraph_plugin"):
-                return ep.value
-    except Exception:
-        pass
-    try:
-        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as handle:
-            text = handle.read()
-        found = re.search(
-            r"(fd_cudagraph_plugin[\w.]*\s*:\s*\w+)", text.split(ENTRY_POINT_GROUP)[1]
-        )
-        if found:
-            return re.sub(r"\s", "", found.group(1))
-    except (OSError, IndexError):
-        pass
-    return "fd_cudagraph_plugin.plugin:register"
+    return plugin_surface.entry_point_target(ROOT)
 
 
 def register_plugin() -> type:
     """Call the entry point as FastDeploy's loader does; return the class it bound."""
     target = entry_point_target()
-    module, _, func = target.partition(":")
-    getattr(importlib.import_module(module), func)()
+    plugin_surface.register(target)
     cls = GOB.CudaGraphPiecewiseBackend
     if cls is None or cls is FASTDEPLOY_CLASS:
-        from fd_cudagraph_plugin.core import seam as fastdeploy
-
-        why = fastdeploy.cuda_runtime_blocker() or "see stderr.log"
+        why = plugin_surface.why_not_bound() or "see stderr.log"
         raise RuntimeError(f"{target}() bound no backend in graph_optimization_backend: {why}")
     return cls
 
@@ -190,96 +165,10 @@ def construct(cls: type, cfg, model):
 
 def plugin_facts() -> dict:
     """Where the plugin came from: it must be this checkout (run.sh puts it first on the path)."""
-    pkg = sys.modules.get("fd_cudagraph_plugin")
-    plugin_dir = os.path.dirname(getattr(pkg, "__file__", "") or "")
-    return {
-        "plugin_dir": plugin_dir,
-        "plugin_is_this_checkout": os.path.realpath(plugin_dir)
-        == os.path.realpath(os.path.join(ROOT, "fd_cudagraph_plugin")),
-        "plugin_version": getattr(pkg, "__version__", None),
-        "tqdm": TQDM,
-    }
+    return plugin_surface.plugin_facts(ROOT, TQDM)
 
 
-def _mib(count):
-    return None if count is None else round(count / MiB, 1)
-
-
-def _total(value):
-    return sum(value.values()) if isinstance(value, dict) else value
-
-
-def plugin_figures(backend, report_path=None, report_detail=True) -> tuple[dict, list[str]]:
-    """``stats()``, ``capture_report`` and the memory-report file, read defensively.
-    Returns (figures, the names that could not be read)."""
-    fig, missing = {}, []
-    try:
-        st = backend.stats()
-    except Exception as error:
-        st = None
-        missing.append(f"stats(): {type(error).__name__}: {error}"[:200])
-    if st is not None:
-
-        def pick(key, f=lambda v: v):
-            if key in st:
-                return f(st[key])
-            missing.append(f"stats()[{key!r}]")
-            return None
-
-        fig["plugin_stats"] = {
-            "captures": pick("captures"),
-            "replays_served": pick("replays", _total),
-            "replays_at_capture": _total((st.get("capture_time") or {}).get("replays")),
-            "eager_fallbacks": pick("eager_fallbacks"),
-            "padded_tokens": pick("padded_tokens"),
-            "graph_mib_total": pick("graph_bytes_total", _mib),
-            "largest_graph_mib": pick("largest_graph_bytes", _mib),
-            "pool_policy": pick("pool_policy"),
-        }
-    if report_detail:
-        rep = getattr(backend, "capture_report", None)
-        if rep is None:
-            missing.append("capture_report")
-        else:
-
-            def attr(name, f=lambda v: v):
-                try:
-                    value = getattr(rep, name)
-                    return f(value() if name == "summary" else value)
-                except Exception:
-                    missing.append(f"capture_report.{name}")
-                    return None
-
-            records = attr("records", list) or []
-            try:
-                per_size = {r.size: round(r.graph_bytes / MiB, 2) for r in records}
-                capture_ms = [round(r.seconds * 1e3, 1) for r in records[:3]]
-            except AttributeError:
-                missing.append("capture_report.records[].size/graph_bytes/seconds")
-                per_size, capture_ms = None, None
-            fig["plugin_report"] = {
-                "graphs": attr("graphs"),
-                "graph_mib": attr("graph_bytes", _mib),
-                "largest_graph_mib": attr("largest_graph_bytes", _mib),
-                "seconds": attr("seconds", lambda v: round(v, 3)),
-                "setup_seconds": attr("setup_seconds", lambda v: round(v, 4)),
-                "agreement_seconds": attr("agreement_seconds", lambda v: round(v, 4)),
-                "summary": attr("summary"),
-                "per_size_mib": per_size,
-                "capture_ms_first3": capture_ms,
-            }
-        if report_path:
-            try:
-                with open(report_path) as f:
-                    j = json.load(f)
-                fig["memory_report_file"] = {
-                    "graph_mib": _mib(j.get("graph_bytes")),
-                    "graphs": j.get("graphs"),
-                    "format": j.get("format"),
-                }
-            except Exception as error:
-                fig["memory_report_file"] = f"{type(error).__name__}: {error}"[:200]
-    return fig, missing
+plugin_figures = plugin_surface.figures
 
 
 def set_plugin_env(pool=None, self_check=None, memory_report=None) -> None:
@@ -455,14 +344,9 @@ def check_surface() -> dict:
     if missing:
         result["errors"].append("shim lacks paddle." + ", paddle.".join(missing))
     try:
-        from fd_cudagraph_plugin.core.runtime import cuda
-
-        api = cuda.paddle_cuda()
-        unset = [k for k, v in vars(api).items() if v is None]
-        result["paddle_cuda_unset"] = unset
-        if unset:
-            result["errors"].append(f"paddle_cuda() left {unset} unset")
-        result["cuda_graph_support"] = cuda.cuda_graph_support()
+        result.update(plugin_surface.runtime_check())
+        if result["paddle_cuda_unset"]:
+            result["errors"].append(f"paddle_cuda() left {result['paddle_cuda_unset']} unset")
     except Exception as error:
         result["errors"].append("paddle_cuda(): " + fmt_exc(error, 1500))
     return result
@@ -476,6 +360,10 @@ if __name__ == "__main__":  # run.sh setup: can the plugin and FastDeploy's back
     surface = check_surface()
     check["errors"] += surface.pop("errors")
     check.update(surface)
+    for name, module in plugin_surface.requirements(ROOT).items():
+        # tqdm is optional here: a silent stand-in keeps the capture path the same.
+        if name != "tqdm" and importlib.util.find_spec(module) is None:
+            check["errors"].append(f"the plugin needs {name}: pip install {name}")
     check["entry_point"] = entry_point_target()
     set_plugin_env()
     try:
@@ -486,7 +374,7 @@ if __name__ == "__main__":  # run.sh setup: can the plugin and FastDeploy's back
             check["errors"].append(
                 f"the plugin was imported from {check['plugin_dir']}, not {ROOT}"
             )
-        wrapped = hasattr(GPUModelRunner.capture_model, "_fd_cudagraph_original")
+        wrapped = plugin_surface.is_wrapped(GPUModelRunner.capture_model)
         check["runner_capture_model_wrapped"] = wrapped
         if not wrapped:
             check["errors"].append("register() did not wrap GPUModelRunner.capture_model")

@@ -27,6 +27,11 @@ What differs per release, in ``FDConfig.__init__``, ``init_with_cudagrpah_size``
   turn it off, so every role filters; from 2.5 the mixed role turns it off first, so only the
   prefill and decode roles filter. The padding maps are built before the filter either way.
 - ``FDConfig.check`` caps ``max_num_seqs`` at 256 (2.4, 2.5) or 512 (2.6 and later).
+- ``FDConfig.postprocess``, after the lists are built: the prefill role sets ``use_cudagraph`` to
+  ``cudagraph_only_prefill``; ``--dynamic-load-weight`` sets ``graph_opt_level`` to 0 (every tree);
+  a host cache (``--swap-space``, ``num_cpu_blocks`` > 0) turns ``cudagraph_only_prefill`` off on
+  develop (r3_mm_dev) only, after the role read it and after the decode list was capped at 512
+  for it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ class Release:
     #: The decode cap is ``min(512, ...)`` under speculative decoding too (2.4, r3_cherry_pick_2.5;
     #: r3_ban_cpucache_2.5 applies 512 only without a SpeculativeConfig, which is never).
     caps_speculative_at_512: bool = False
+    #: ``postprocess`` turns ``cudagraph_only_prefill`` off when a host cache is configured
+    #: (``num_cpu_blocks``, from ``--swap-space``): r3_mm_dev only.
+    host_cache_ends_only_prefill: bool = False
 
     @property
     def source(self) -> str:
@@ -138,7 +146,7 @@ RULES = {
         Release("develop-e53f518", "develop", "e53f518", "2026-04-15", 512, False, SPEC_METHODS,
                 ("mtp", "suffix"), "2.6"),
         Release("develop", "r3_mm_dev", "564c78d", "2026-05-20", 512, True, SPEC_METHODS,
-                ("mtp", "suffix", "ngram"), "2.6"),
+                ("mtp", "suffix", "ngram"), "2.6", host_cache_ends_only_prefill=True),
     )
 }  # fmt: skip
 RELEASES = tuple(RULES)
@@ -152,11 +160,17 @@ DEFAULT_RELEASE = "develop"
 RELEASE_LINES = {"2.4": "2.4", "2.5": "2.5", "2.6": "2.6"}
 #: Tree names the flag also takes, for the two trees no release line maps to.
 TREE_NAMES = ("2.5-cherry-pick", "develop-e53f518")
-#: A ``fastdeploy-gpu`` version as pip shows it: 2.6, 2.6.1, 2.5.0.post1.
-_VERSION = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})(\.[0-9]{1,5})?(\.post[0-9]{1,5})?")
+#: A ``fastdeploy-gpu`` version as pip shows it: 2.6, 2.6.1, 2.5.0.post1, a release candidate
+#: 2.6.0rc1 (cut from its release branch, so its line's rules), with or without a leading v.
+_VERSION = re.compile(
+    r"v?([0-9]{1,3})\.([0-9]{1,3})(\.[0-9]{1,5})?(\.post[0-9]{1,5})?((a|b|rc)[0-9]{1,5})?"
+)
+#: A development build (``2.3.0-dev``, ``2.6.0.dev0``): FastDeploy's trees report the release
+#: before the one they become (2.4_r3 says 2.3.0-dev, develop at e53f518 2.6.0-dev).
+_DEV = re.compile(r"v?[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,5})?(-dev|\.dev[0-9]{0,5})")
 VERSION_FORMS = (
-    "a fastdeploy-gpu version: 2.4, 2.5 or 2.6, or a full one such as 2.6.1 or 2.5.0.post1; or "
-    "develop"
+    "a fastdeploy-gpu version: 2.4, 2.5 or 2.6, or a full one such as 2.6.1, 2.5.0.post1, "
+    "2.6.0rc1 or v2.6; or develop"
 )
 
 
@@ -174,10 +188,15 @@ def rules_for_version(text: str) -> str:
         return word
     if len(word) > 40:
         raise UnknownVersion(f"must be {VERSION_FORMS}; got {text[:40]!r}... ({len(text)} chars)")
+    if _DEV.fullmatch(word):
+        raise UnknownVersion(
+            f"fastdeploy-gpu {word} is a development build, which no version string places: "
+            "FastDeploy's trees report the release before theirs (2.4_r3 says 2.3.0-dev, develop "
+            "2.6.0-dev). Pass the release line its tree was cut for (2.4, 2.5 or 2.6), or develop"
+        )
     found = _VERSION.fullmatch(word)
     if found is None:
-        hint = " (a develop build: pass develop)" if "dev" in word else ""
-        raise UnknownVersion(f"must be {VERSION_FORMS}; got {text!r}{hint}")
+        raise UnknownVersion(f"must be {VERSION_FORMS}; got {text!r}")
     line = f"{int(found[1])}.{int(found[2])}"
     if line not in RELEASE_LINES:
         known = ", ".join(RELEASE_LINES)
@@ -214,6 +233,10 @@ class ServingSettings:
     use_cudagraph: bool = True
     #: FastDeploy's ``use_ep``: expert parallelism over more than one rank.
     expert_parallel: bool = False
+    #: ``--dynamic-load-weight`` (``LoadConfig.dynamic_load_weight``).
+    dynamic_load_weight: bool = False
+    #: A host KV cache: ``--swap-space`` above 0 (``CacheConfig.num_cpu_blocks`` > 0).
+    host_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,6 +252,9 @@ class Derived:
     use_cudagraph: bool
     #: ``filter_capture_size(tp)`` ran (sequence-parallel MoE kept on with tp > 1).
     filtered: bool
+    #: ``graph_opt_level`` and ``cudagraph_only_prefill`` as ``postprocess`` leaves them.
+    graph_opt_level: int = 0
+    only_prefill: bool = False
 
 
 def auto_candidates(per_step: int = 1) -> list[int]:
@@ -312,6 +338,11 @@ def derive(release: Release, settings: ServingSettings) -> Derived:
     # FDConfig.postprocess: the prefill role sets use_cudagraph to cudagraph_only_prefill,
     # whatever was given.
     use_cudagraph = s.only_prefill if s.splitwise_role == "prefill" else s.use_cudagraph
+    # RL weight loading: "Static Graph does not support to be started together with RL Training".
+    level = 0 if s.dynamic_load_weight else s.graph_opt_level
+    # r3_mm_dev: "Layer-by-layer swap-in is incompatible with CUDA Graph prefill capture"; the
+    # lists were built (decode capped at 512) for cudagraph_only_prefill before this.
+    only_prefill = s.only_prefill and not (s.host_cache and release.host_cache_ends_only_prefill)
     sp_moe = s.sequence_parallel_moe and use_cudagraph
     if sp_moe and s.splitwise_role == "mixed" and not release.filters_before_roles:
         sp_moe = False  # _disable_sequence_parallel_moe_if_needed("Mixed"), before the filter
@@ -331,6 +362,8 @@ def derive(release: Release, settings: ServingSettings) -> Derived:
         real_bsz_to_captured_size=bsz,
         use_cudagraph=use_cudagraph,
         filtered=filtered,
+        graph_opt_level=level,
+        only_prefill=only_prefill,
     )
 
 

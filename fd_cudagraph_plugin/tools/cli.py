@@ -20,15 +20,13 @@ import sys
 from typing import Any, NoReturn
 
 from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
-from fd_cudagraph_plugin.tools import paddle_import
+from fd_cudagraph_plugin.tools import engine_args, paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     MAX_PREFILL_SHAPE,
     MAX_SPECULATIVE_TOKENS,
-    MAX_TENSOR_PARALLEL_SIZE,
     RULES,
     SPEC_METHODS,
-    SPLITWISE_ROLES,
     TREE_NAMES,
     VERSION_FORMS,
     UnknownVersion,
@@ -117,7 +115,6 @@ def _version(text: str) -> str:
 
 
 _PLAN_SIZES = Sizes(TOKEN_LIMIT, "the most tokens a FastDeploy step holds (int32 sequence lengths)")
-_NUM_SEQS = Integer(1, DECODE_CAP, "512 on FastDeploy 2.6 and later, 256 before")
 _SPECULATIVE_TOKENS = Integer(1, MAX_SPECULATIVE_TOKENS, "FastDeploy's range")
 
 
@@ -137,9 +134,9 @@ def _json(document: dict) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from fd_cudagraph_plugin.tools.plan import derive_plan, format_plan, plan_input
+    from fd_cudagraph_plugin.tools.plan import derive_plan, format_plan
 
-    plan = derive_plan(plan_input(vars(args)))
+    plan = derive_plan(engine_args.serving_input(vars(args)))
     paddle_import.check()
     print(_json(plan.to_json()) if args.json else format_plan(plan))
     return 0
@@ -177,61 +174,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--tensor-parallel-size, --graph-optimization-config and --speculative-config JSON, ...) "
         "besides its own; a setting given both ways with two values is an error.",
     )
-    fastdeploy = plan.add_argument_group("FastDeploy's flags, as its command line spells them")
-    fastdeploy.add_argument(
-        "--max-num-seqs",
-        type=_NUM_SEQS,
-        default=None,
-        help="max_num_seqs, at most 256 on 2.4 and 2.5 and 512 later (default 8, FastDeploy's "
-        "CLI default)",
-    )
-    fastdeploy.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=Integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
-        default=None,
-        help=f"tensor_parallel_size, 1..{MAX_TENSOR_PARALLEL_SIZE} (default 1)",
-    )
-    fastdeploy.add_argument(
-        "--splitwise-role",
-        choices=SPLITWISE_ROLES,
-        default=None,
-        help="FastDeploy's splitwise_role (default mixed, as FastDeploy's)",
-    )
-    fastdeploy.add_argument(
-        "--data-parallel-size",
-        type=Integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
-        default=None,
-        help="data_parallel_size: with --enable-expert-parallel, experts span data-parallel "
-        "ranks too (default 1)",
-    )
-    fastdeploy.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        default=None,
-        help="expert parallelism: with --tensor-parallel-size above 1 FastDeploy turns "
-        "sequence-parallel MoE on (default off)",
-    )
-    fastdeploy.add_argument(
-        "--disable-sequence-parallel-moe",
-        action="store_true",
-        default=None,
-        help="keep sequence-parallel MoE off under expert parallelism (default off)",
-    )
-    fastdeploy.add_argument(
-        "--graph-optimization-config",
-        metavar="JSON",
-        default=None,
-        help="FastDeploy's --graph-optimization-config object, such as "
-        '\'{"use_cudagraph": true, "cudagraph_capture_sizes": [1, 2, 4]}\' (default: none)',
-    )
-    fastdeploy.add_argument(
-        "--speculative-config",
-        metavar="JSON",
-        default=None,
-        help='FastDeploy\'s --speculative-config object, such as \'{"method": "mtp", '
-        '"num_speculative_tokens": 1}\' (default: none, no speculative decoding)',
-    )
+    engine_args.add_fastdeploy_flags(plan, Integer)
     own = plan.add_argument_group("the same settings one by one")
     own.add_argument(
         "--spec-method",
@@ -307,7 +250,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help="choose the capture sizes that pad a recorded decode trace least",
         description="Choose at most N capture sizes with the fewest padded tokens over a decode "
         "trace (exact), and compare them with the deployed list (--capture-sizes, or what the "
-        "stats files record), else with FastDeploy's default list.",
+        "stats files record), else with FastDeploy's default list. Takes the deployment's "
+        "FastDeploy launch line: every list is what FastDeploy keeps of it for that launch "
+        "(filter_capture_size under tensor and expert parallelism), as plan prints it.",
     )
     tune.add_argument(
         "trace",
@@ -322,13 +267,6 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help=f"at most this many sizes, 1..{DECODE_CAP} (default: as many as the list compared "
         "with, the deployed one or FastDeploy's default, so the tuned list takes about the same "
         "capture time and graph memory and pads fewer tokens)",
-    )
-    tune.add_argument(
-        "--max-num-seqs",
-        type=_NUM_SEQS,
-        default=None,
-        help="the deployment's max_num_seqs: sizes stay within min(512, max_num_seqs) (default: "
-        "what the stats files record, else the largest observed count)",
     )
     tune.add_argument(
         "--capture-sizes",
@@ -352,6 +290,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help="largest capture size (default: largest observed count); steps above it run "
         "eagerly and are left out",
     )
+    engine_args.add_fastdeploy_flags(tune, Integer)
     _add_release(tune)
     tune.add_argument("--json", action="store_true", help="print JSON")
     tune.set_defaults(run=_cmd_tune)

@@ -416,9 +416,20 @@ def run_command(sizes: list[int] | None, steps: int, seed: int, runtime: str | N
             file=sys.stderr,
         )
         return 2
-    # The demo prints the capture summary and the stats table itself; keep warnings only.
-    logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
-    report = run_demo(sizes=sizes, steps=steps, seed=seed, runtime_name=runtime)
+    # The demo prints the capture summary and the stats table itself; keep warnings only, and
+    # show them: the plugin's log goes to FastDeploy's worker log, which here is under a
+    # temporary FD_LOG_DIR removed at the end, so a failed write (a stats file on a full disk)
+    # would be said nowhere.
+    plugin_logger = logging.getLogger("fd_cudagraph_plugin")
+    plugin_logger.setLevel(logging.WARNING)
+    shown = logging.StreamHandler(sys.stderr)
+    shown.setLevel(logging.WARNING)
+    shown.setFormatter(logging.Formatter("fd-cudagraph demo: %(levelname)s: %(message)s"))
+    plugin_logger.addHandler(shown)
+    try:
+        report = run_demo(sizes=sizes, steps=steps, seed=seed, runtime_name=runtime)
+    finally:
+        plugin_logger.removeHandler(shown)
     paddle_import.check()
     print(format_report(report))
     return 0 if report.mismatches == 0 else 1

@@ -1,11 +1,16 @@
-"""FastDeploy's own flags for ``fd-cudagraph plan``, read as FastDeploy's ``EngineArgs`` reads them.
+"""FastDeploy's launch line for every tool: one set of flags, read as FastDeploy reads them.
 
-An operator has a FastDeploy command line; ``plan`` takes its flags as they are spelt there
-(``fastdeploy/engine/args_utils.py`` of every tree the rules name): ``--max-num-seqs``,
-``--tensor-parallel-size`` (``-tp``), ``--splitwise-role``, ``--enable-expert-parallel``,
-``--disable-sequence-parallel-moe``, and the JSON of ``--graph-optimization-config`` and
-``--speculative-config``. ``plan``'s own flags (``--spec-method``, ``--capture-sizes``, ...) say
-the same things; where both are given and disagree, that is an error naming both.
+An operator has a FastDeploy command line; ``plan`` and ``tune`` take it whole, as it is spelt
+there (``add_fastdeploy_flags``). The flags that change what FastDeploy captures
+(``launch_flags.CAPTURE_FLAGS``: ``--max-num-seqs``, ``--tensor-parallel-size`` (``-tp``),
+``--data-parallel-size``, ``--splitwise-role``, ``--enable-expert-parallel``,
+``--disable-sequence-parallel-moe``, ``--dynamic-load-weight``, ``--swap-space``, and the JSON of
+``--graph-optimization-config`` and ``--speculative-config``) are read with their bounds; every
+other flag of the tree's parser (``launch_flags.FLAGS``: ``--model``, ``--port``,
+``--quantization``, ...) is taken and named once in a note, and one the chosen tree lacks is
+refused, as its parser would. ``serving_input`` turns them into one ``PlanInput``; ``plan``'s own
+flags (``--spec-method``, ``--capture-sizes``, ...) say the same things, and where both are given
+and disagree, that is an error naming both.
 
 The JSON is FastDeploy's input, so it is checked as FastDeploy would take it and bounded: a key
 FastDeploy's config does not have would be dropped by FastDeploy without a word, so it is refused
@@ -15,18 +20,25 @@ taken and named in a note.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.tools import launch_flags
 from fd_cudagraph_plugin.tools.capture_rules import (
+    DECODE_CAP,
     MAX_PREFILL_SHAPE,
     MAX_SPECULATIVE_TOKENS,
+    MAX_TENSOR_PARALLEL_SIZE,
     SPEC_METHODS,
+    SPLITWISE_ROLES,
 )
+from fd_cudagraph_plugin.tools.plan import PlanInput
 from fd_cudagraph_plugin.tools.traces import TOKEN_LIMIT
 from fd_cudagraph_plugin.tools.wording import shown
 
@@ -222,3 +234,221 @@ def add_speculative_config(given: Given, text: str) -> None:
         else:
             given.set(name, _int(flag, key, value, 1, MAX_SPECULATIVE_TOKENS), where)
     _say_ignored(given, flag, ignored)
+
+
+# ------------------------------------------------------------------ the flags on a command line
+
+#: Where the launch flags that change nothing captured land in the namespace.
+_LAUNCH = "fastdeploy_launch:"
+#: The most GiB ``--swap-space`` takes: a host cache of 1 PiB is a typo.
+MAX_SWAP_GIB = 1 << 20
+
+
+def _swap_space(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0 <= value <= MAX_SWAP_GIB:
+        raise argparse.ArgumentTypeError(
+            f"must be GiB of host memory in 0..{MAX_SWAP_GIB}, as FastDeploy's float; got "
+            f"{shown(text)}"
+        )
+    return value
+
+
+def add_fastdeploy_flags(
+    parser: argparse.ArgumentParser, integer: Callable[[int, int, str], Callable[[str], int]]
+) -> None:
+    """FastDeploy's launch line on ``parser``: the flags that change what is captured, with
+    their bounds (``integer(low, high, why)`` is the CLI's bounded integer type), then every other
+    flag of every tree's parser, taken as that parser takes it (how many values) and hidden from
+    ``--help``."""
+    group = parser.add_argument_group(
+        "FastDeploy's flags, as its command line spells them (a whole launch line is taken: "
+        "the flags that change nothing captured are named in a note)"
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=integer(1, DECODE_CAP, "512 on FastDeploy 2.6 and later, 256 before"),
+        default=None,
+        help="max_num_seqs, at most 256 on 2.4 and 2.5 and 512 later (default 8, FastDeploy's "
+        "CLI default)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
+        default=None,
+        help=f"tensor_parallel_size, 1..{MAX_TENSOR_PARALLEL_SIZE} (default 1)",
+    )
+    group.add_argument(
+        "--splitwise-role",
+        choices=SPLITWISE_ROLES,
+        default=None,
+        help="FastDeploy's splitwise_role (default mixed, as FastDeploy's)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=integer(1, MAX_TENSOR_PARALLEL_SIZE, "no larger group changes the plan"),
+        default=None,
+        help="data_parallel_size: with --enable-expert-parallel, experts span data-parallel "
+        "ranks too (default 1)",
+    )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="expert parallelism: with --tensor-parallel-size above 1 FastDeploy turns "
+        "sequence-parallel MoE on (default off)",
+    )
+    group.add_argument(
+        "--disable-sequence-parallel-moe",
+        action="store_true",
+        default=None,
+        help="keep sequence-parallel MoE off under expert parallelism (default off)",
+    )
+    group.add_argument(
+        "--dynamic-load-weight",
+        action="store_true",
+        default=None,
+        help="RL weight loading: FastDeploy sets graph_opt_level to 0 (dynamic mode) on every "
+        "release (default off)",
+    )
+    group.add_argument(
+        "--swap-space",
+        type=_swap_space,
+        default=None,
+        metavar="GiB",
+        help="host KV cache in GiB: above 0, FastDeploy develop turns cudagraph_only_prefill off "
+        "(default none)",
+    )
+    group.add_argument(
+        "--graph-optimization-config",
+        metavar="JSON",
+        default=None,
+        help="FastDeploy's --graph-optimization-config object, such as "
+        '\'{"use_cudagraph": true, "cudagraph_capture_sizes": [1, 2, 4]}\' (default: none)',
+    )
+    group.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help='FastDeploy\'s --speculative-config object, such as \'{"method": "mtp", '
+        '"num_speculative_tokens": 1}\' (default: none, no speculative decoding)',
+    )
+    trees: dict[str, tuple[str, ...]] = {}
+    for spellings, values, tree_names in launch_flags.FLAGS:
+        if spellings[0] in launch_flags.CAPTURE_FLAGS:
+            continue
+        kinds = {launch_flags.arity(values, tree) for tree in tree_names}
+        kind = "bool" if "bool" in kinds else kinds.pop()
+        action: dict[str, Any] = {
+            "0": {"action": "store_const", "const": True},
+            "bool": {"action": argparse.BooleanOptionalAction},
+            "1": {"metavar": "VALUE"},
+            "append": {"action": "append", "metavar": "VALUE"},
+            "+": {"nargs": "+", "metavar": "VALUE"},
+        }[kind]
+        parser.add_argument(
+            *spellings, dest=_LAUNCH + spellings[0], default=None, help=argparse.SUPPRESS, **action
+        )
+        trees[spellings[0]] = tree_names
+    parser.add_argument(
+        launch_flags.YAML_CONFIG, dest=_LAUNCH + launch_flags.YAML_CONFIG, help=argparse.SUPPRESS
+    )
+
+
+def _launch(options: Mapping[str, Any]) -> tuple[list[tuple[str, bool]], list[str]]:
+    """The launch flags given, as ``(flag, negated)``, and the tokens FastDeploy's own parser
+    would read for every FastDeploy flag given."""
+    if options.get(_LAUNCH + launch_flags.YAML_CONFIG) is not None:
+        raise ConfigError(
+            f"{launch_flags.YAML_CONFIG} {options[_LAUNCH + launch_flags.YAML_CONFIG]}: FastDeploy "
+            "reads settings from that YAML file, which fd-cudagraph does not read, so the plan "
+            "could differ from what FastDeploy builds. Give the settings it holds as flags."
+        )
+    given: list[tuple[str, bool]] = []
+    tokens: list[str] = []
+    for spellings, _values, _trees in launch_flags.FLAGS:
+        flag = spellings[0]
+        if flag in launch_flags.CAPTURE_FLAGS:
+            value = options.get(flag[2:].replace("-", "_"))
+        else:
+            value = options.get(_LAUNCH + flag)
+        if value is None:
+            continue
+        given.append((flag, value is False))
+        if value is True:
+            tokens.append(flag)
+        elif value is False:
+            tokens.append(f"--no-{flag[2:]}")
+        elif isinstance(value, list) and spellings[0] not in launch_flags.CAPTURE_FLAGS:
+            if _values_are_appended(_values):
+                for item in value:
+                    tokens += [flag, str(item)]
+            else:
+                tokens += [flag, *map(str, value)]
+        else:
+            tokens += [flag, str(value)]
+    return given, tokens
+
+
+def _values_are_appended(values: str | dict[str, str]) -> bool:
+    return "append" in ({values} if isinstance(values, str) else set(values.values()))
+
+
+#: ``plan``'s own flags, by ``PlanInput`` field (argparse's dest is the field but for these).
+_OWN_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "splitwise_role": "--splitwise-role",
+    "spec_method": "--spec-method",
+    "num_speculative_tokens": "--num-speculative-tokens",
+    "graph_opt_level": "--graph-opt-level",
+    "full_cuda_graph": "--full-cuda-graph",
+    "max_capture_shape_prefill": "--max-capture-shape-prefill",
+    "only_prefill": "--only-prefill",
+    "capture_sizes": "--capture-sizes",
+    "capture_sizes_prefill": "--capture-sizes-prefill",
+    "draft_model_use_cudagraph": "--draft-model-use-cudagraph",
+    "sequence_parallel_moe": "--sequence-parallel-moe",
+}
+
+
+def serving_input(options: Mapping[str, Any]) -> PlanInput:
+    """The command line's settings as one ``PlanInput``, for every tool: the tool's own flags,
+    FastDeploy's launch flags and the JSON of its ``--graph-optimization-config`` and
+    ``--speculative-config``, each setting given once or the same wherever given (else a
+    ``ConfigError`` naming both)."""
+    given = Given()
+    for name, flag in _OWN_FLAGS.items():
+        value = options.get(name)
+        if name == "full_cuda_graph" and value is False:
+            flag = "--no-full-cuda-graph"
+        if name == "draft_model_use_cudagraph" and value is False:
+            flag = "--no-draft-model-use-cudagraph"
+        given.set(name, value, flag)
+    if options.get("disable_sequence_parallel_moe"):
+        given.set("sequence_parallel_moe", False, "--disable-sequence-parallel-moe")
+    elif options.get("enable_expert_parallel") and given.values.get("tensor_parallel_size", 1) > 1:
+        # ParallelConfig: sequence-parallel MoE is on under expert parallelism with tp > 1.
+        given.set("sequence_parallel_moe", True, "--enable-expert-parallel")
+    ranks = given.values.get("tensor_parallel_size", 1) * (options.get("data_parallel_size") or 1)
+    expert_parallel = bool(options.get("enable_expert_parallel")) and ranks > 1
+    if options.get("graph_optimization_config") is not None:
+        add_graph_config(given, options["graph_optimization_config"])
+    if options.get("speculative_config") is not None:
+        add_speculative_config(given, options["speculative_config"])
+    launch, tokens = _launch(options)
+    swap = options.get("swap_space")
+    return PlanInput(
+        **given.values,
+        fastdeploy_version=options.get("fastdeploy_version"),
+        given_notes=tuple(given.notes),
+        expert_parallel=expert_parallel,
+        dynamic_load_weight=bool(options.get("dynamic_load_weight")),
+        host_cache=bool(swap),
+        launch_flags=tuple(launch),
+        fastdeploy_tokens=tuple(tokens),
+    )

@@ -151,10 +151,15 @@ def derive_with_fastdeploy(
             "use_sequence_parallel_moe": s.sequence_parallel_moe,
         }
         scheduler = {"max_num_seqs": s.max_num_seqs, "splitwise_role": s.splitwise_role}
+        cache = config.CacheConfig({})
+        # CacheConfig derives num_cpu_blocks from --swap-space and the model's block size, which
+        # a plan has no model for: one block stands for "a host cache", as postprocess reads it.
+        cache.num_cpu_blocks = 1 if s.host_cache else 0
         try:
             fd_config = config.FDConfig(
                 model_config=_ModelStandIn(),
-                cache_config=config.CacheConfig({}),
+                cache_config=cache,
+                load_config=config.LoadConfig({"dynamic_load_weight": s.dynamic_load_weight}),
                 parallel_config=config.ParallelConfig(parallel),
                 scheduler_config=config.SchedulerConfig(scheduler),
                 graph_opt_config=config.GraphOptimizationConfig(graph),
@@ -175,6 +180,8 @@ def derive_with_fastdeploy(
         real_bsz_to_captured_size=_int_map(getattr(goc, "real_bsz_to_captured_size", None)),
         use_cudagraph=bool(goc.use_cudagraph),
         filtered=False,
+        graph_opt_level=int(goc.graph_opt_level),
+        only_prefill=bool(goc.cudagraph_only_prefill),
     )
     return derived, bool(getattr(goc, "draft_model_use_cudagraph", False))
 
@@ -183,3 +190,49 @@ def _int_map(mapping: object) -> dict[int, int]:
     if not mapping:
         return {}
     return dict(sorted((int(key), int(value)) for key, value in mapping.items()))
+
+
+def parse_with_fastdeploy(installed: InstalledFastDeploy, tokens: list[str]) -> str:
+    """Read the launch flags with the installed FastDeploy's own parser: its API server's
+    (``make_arg_parser``) where that imports here, else ``EngineArgs.add_cli_args`` alone, whose
+    flags are then the only ones it reads (the API server's own, such as ``--port``, are left to
+    the project's list). Returns which parser read them; raises ``FastDeployRefused`` with
+    FastDeploy's own message where it refuses them."""
+    import argparse
+    import contextlib
+    import io
+
+    with paddle_import.quiet():
+        args_utils = importlib.import_module("fastdeploy.engine.args_utils")
+        utils = importlib.import_module("fastdeploy.utils")
+        flexible = getattr(utils, "FlexibleArgumentParser", argparse.ArgumentParser)
+        try:
+            server = importlib.import_module("fastdeploy.entrypoints.openai.utils")
+            parser = server.make_arg_parser(flexible(prog="fastdeploy"))
+            which = "its API server's parser (make_arg_parser)"
+        except Exception:  # the server's own imports (fastapi, uvicorn) may be missing here
+            parser = args_utils.EngineArgs.add_cli_args(flexible(prog="fastdeploy"))
+            which = "its EngineArgs.add_cli_args"
+            tokens = _engine_tokens(tokens)
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                parser.parse_args(tokens)
+        except SystemExit:
+            message = said.getvalue().strip().splitlines()
+            raise FastDeployRefused(message[-1] if message else "its parser exited") from None
+    return which
+
+
+def _engine_tokens(tokens: list[str]) -> list[str]:
+    """``tokens`` without the API server's own flags and their values, which
+    ``EngineArgs.add_cli_args`` does not add."""
+    from fd_cudagraph_plugin.tools.launch_flags import API_SERVER_FLAGS
+
+    kept, dropping = [], False
+    for token in tokens:
+        if token.startswith("-") and not token.lstrip("-")[:1].isdigit():
+            dropping = token in API_SERVER_FLAGS
+        if not dropping:
+            kept.append(token)
+    return kept

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
-from fd_cudagraph_plugin.tools import capture_rules
+from fd_cudagraph_plugin.tools import capture_rules, launch_flags
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     DRAFT_MODEL_METHODS,
@@ -46,6 +46,7 @@ from fd_cudagraph_plugin.tools.installed import (
     InstalledFastDeploy,
     derive_with_fastdeploy,
     installed_fastdeploy,
+    parse_with_fastdeploy,
     release_rules,
 )
 from fd_cudagraph_plugin.tools.wording import plural, shown
@@ -86,6 +87,13 @@ class PlanInput:
     given_notes: tuple[str, ...] = ()
     #: FastDeploy's ``use_ep`` (``--enable-expert-parallel`` over more than one rank).
     expert_parallel: bool = False
+    #: ``--dynamic-load-weight``, and a host KV cache (``--swap-space`` above 0).
+    dynamic_load_weight: bool = False
+    host_cache: bool = False
+    #: FastDeploy's launch flags given (``(flag, negated)``), checked against the tree's parser;
+    #: and every FastDeploy flag given as tokens, for the installed FastDeploy's own parser.
+    launch_flags: tuple[tuple[str, bool], ...] = ()
+    fastdeploy_tokens: tuple[str, ...] = ()
 
     @property
     def prefill_shape(self) -> int:
@@ -140,6 +148,8 @@ class Plan:
     #: ``(tokens, FastDeploy's size, the plugin's size)`` where FastDeploy's map is stale.
     stale_padding: list[tuple[int, int, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: What makes the deployment serve steps eagerly that a graph could serve.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def total_graphs(self) -> int:
@@ -194,6 +204,7 @@ class Plan:
                 for b in self.backends
             ],
             "total_graphs": self.total_graphs,
+            "warnings": self.warnings,
             "notes": self.notes,
         }
 
@@ -322,15 +333,17 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         draft_model_use_cudagraph=inputs.draft_model_use_cudagraph,
         use_cudagraph=inputs.use_cudagraph,
         expert_parallel=inputs.expert_parallel,
+        dynamic_load_weight=inputs.dynamic_load_weight,
+        host_cache=inputs.host_cache,
     )
 
 
-def _mode(release: Release, inputs: PlanInput) -> str:
-    if inputs.graph_opt_level == 0:
+def _mode(release: Release, graph_opt_level: int, full_cuda_graph: bool) -> str:
+    if graph_opt_level == 0:
         return "dynamic"
     if not release.has_prefill_list:
         return "static (FastDeploy 2.4)"
-    return "static full" if inputs.full_cuda_graph else "static split"
+    return "static full" if full_cuda_graph else "static split"
 
 
 def _decode_cap(release: Release, s: ServingSettings) -> tuple[int, int, str]:
@@ -383,10 +396,13 @@ def _source(
     installed: InstalledFastDeploy | None,
     asked: bool,
     version: str | None,
+    inputs: PlanInput,
 ) -> _Source:
-    """FastDeploy's own derivation where it is importable and is ``release``, else the copy."""
+    """FastDeploy's own parser and derivation where it is importable and is ``release``, else the
+    project's list of its flags and copy of its rules."""
     copy = capture_rules.derive(release, s)
     name = _rules_name(release, version)
+    flags = ""
     if installed is None:
         why = "FastDeploy is not importable here" if asked else "asked for the copy"
     elif installed.problem:
@@ -394,6 +410,7 @@ def _source(
     elif installed.release != release.name:
         why = f"the installed FastDeploy {installed.version} follows {installed.release}'s rules"
     else:
+        flags = _flags_read_by(installed, inputs.fastdeploy_tokens)
         try:
             theirs, draft_default = derive_with_fastdeploy(installed, s)
         except FastDeployRefused as error:
@@ -407,13 +424,33 @@ def _source(
             )
         else:
             if theirs.use_cudagraph or not copy.use_cudagraph:
-                return _from_fastdeploy(name, release, installed, copy, theirs, draft_default)
+                source = _from_fastdeploy(name, release, installed, copy, theirs, draft_default)
+                source.rules += flags
+                return source
             why = (
                 "the installed FastDeploy turns use_cudagraph off on this machine's platform; "
                 "the plan is a CUDA machine's"
             )
-    rules = f"{name}, from the project's copy ({why})"
+    rules = f"{name}, from the project's copy ({why}){flags}"
     return _Source(copy, rules, False, release.draft_model_use_cudagraph, [])
+
+
+def _flags_read_by(installed: InstalledFastDeploy, tokens: tuple[str, ...]) -> str:
+    """FastDeploy's own parser reads the FastDeploy flags given: what the rules line adds."""
+    if not tokens:
+        return ""
+    try:
+        which = parse_with_fastdeploy(installed, list(tokens))
+    except FastDeployRefused as error:
+        raise ConfigError(
+            f"FastDeploy {installed.version}'s own parser refuses these flags: {error}"
+        ) from None
+    except Exception as error:  # a FastDeploy whose parser does not build here
+        return (
+            "; its flags checked against the project's list (FastDeploy's own parser could not "
+            f"be built here: {type(error).__name__}: {str(error)[:200]})"
+        )
+    return f"; flags read by {which}"
 
 
 def _from_fastdeploy(
@@ -449,9 +486,14 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     installed = installed_fastdeploy() if use_fastdeploy else None
     release = release_rules(inputs.fastdeploy_version, installed)
     s = _validate(release, inputs)
-    mode = _mode(release, inputs)
-    source = _source(release, s, installed, use_fastdeploy, inputs.fastdeploy_version)
+    launch_notes = launch_flags.check(release.name, list(inputs.launch_flags))
+    source = _source(release, s, installed, use_fastdeploy, inputs.fastdeploy_version, inputs)
     derived, notes = source.derived, source.notes
+    mode = _mode(release, derived.graph_opt_level, inputs.full_cuda_graph)
+    # What postprocess changed is what FastDeploy serves with: describe the backends from it.
+    served = dataclasses.replace(
+        inputs, graph_opt_level=derived.graph_opt_level, only_prefill=derived.only_prefill
+    )
     prefill = derived.capture_sizes_prefill
     # A 0 in the list (2.4 under expert parallelism) is no graph: the plugin drops it.
     decode = [size for size in derived.capture_sizes if size]
@@ -482,6 +524,8 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
         )
     _size_notes(notes, release, inputs, mode, s, prefill)
     _list_notes(notes, release, s, derived)
+    _postprocess_notes(notes, release, inputs, derived)
+    notes.extend(launch_notes)
     if not decode:
         noun = "request" if scale > 1 else "token"
         raise ConfigError(
@@ -502,14 +546,17 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     ]
     padding_running = _running_padding(derived.real_bsz_to_captured_size, table, s.max_num_seqs)
     _stale_notes(notes, derived, stale, padding_running, s.max_num_seqs)
-    prefill_sizes = (prefill or []) if mode == "static split" else decode if s.only_prefill else []
+    warnings = _largest_warnings(release, s, derived, decode, padding_running)
+    prefill_sizes = (
+        (prefill or []) if mode == "static split" else decode if derived.only_prefill else []
+    )
 
     draft = source.draft_default
     if inputs.draft_model_use_cudagraph is not None:
         draft = inputs.draft_model_use_cudagraph
     backend = {
         "release": release,
-        "inputs": inputs,
+        "inputs": served,
         "mode": mode,
         "decode": decode,
         "prefill": prefill,
@@ -550,6 +597,7 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
         use_cudagraph=derived.use_cudagraph,
         stale_padding=stale,
         notes=notes,
+        warnings=warnings,
     )
 
 
@@ -672,7 +720,7 @@ def _list_notes(notes: list[str], release: Release, s: ServingSettings, derived:
                 f"FastDeploy {release.name} does not scale capture sizes for {s.method}: its "
                 "graphs are keyed by token count."
             )
-    if not derived.use_cudagraph:
+    if s.splitwise_role == "prefill" and not derived.use_cudagraph:
         notes.append(
             "splitwise_role prefill sets use_cudagraph to cudagraph_only_prefill (false): this "
             "node captures no graph; pass --only-prefill to graph its prefill steps."
@@ -718,6 +766,67 @@ def _list_notes(notes: list[str], release: Release, s: ServingSettings, derived:
             f"sequence-parallel MoE with TP {tp}: filter_capture_size removes {what} (not "
             f"divisible by {tp}) after the padding maps were built{order}."
         )
+
+
+def _postprocess_notes(
+    notes: list[str], release: Release, inputs: PlanInput, derived: Derived
+) -> None:
+    """What ``FDConfig.postprocess`` changed of what was asked: the level and only-prefill."""
+    if inputs.dynamic_load_weight:
+        was = (
+            f"graph_opt_level {inputs.graph_opt_level} becomes 0"
+            if inputs.graph_opt_level
+            else "graph_opt_level stays 0"
+        )
+        notes.append(
+            f"--dynamic-load-weight: FastDeploy sets graph_opt_level to 0 for RL weight loading "
+            f"on every release ({was}, dynamic mode); the plugin recaptures after a weight "
+            "update or wake-up that moved what its graphs read."
+        )
+    if inputs.only_prefill and inputs.host_cache:
+        if derived.only_prefill:
+            notes.append(
+                f"--swap-space: FastDeploy {release.name} keeps cudagraph_only_prefill with a host "
+                "cache (only develop, r3_mm_dev, turns it off)."
+            )
+        else:
+            notes.append(
+                f"--swap-space: FastDeploy {release.name} turns cudagraph_only_prefill off with a "
+                'host cache ("Layer-by-layer swap-in is incompatible with CUDA Graph prefill '
+                'capture") after the decode list was built for it, so it captures decode graphs '
+                "up to 512 tokens whatever max_num_seqs is (where the swap space holds at least "
+                "one KV block of the model)."
+            )
+
+
+def _largest_warnings(
+    release: Release,
+    s: ServingSettings,
+    derived: Derived,
+    decode: list[int],
+    padding_running: dict[int, int],
+) -> list[str]:
+    """Steps a graph could serve that run eagerly because the largest size is below
+    ``max_num_seqs``: ``GraphOptBackend`` runs them before the plugin's backend sees them."""
+    if not derived.use_cudagraph or derived.only_prefill or not decode:
+        return []
+    seqs = s.max_num_seqs
+    if padding_running:
+        largest, most, unit, why = max(padding_running), seqs, "running requests", ""
+    elif s.method in release.scaling_methods and s.k:
+        largest, most, unit = max(decode), seqs * (s.k + 1), "tokens"
+        why = f" x (k + 1) = {most} tokens"
+    else:
+        largest, most, unit = max(decode), seqs, "tokens"
+        why = " (one token per running request in a decode step)"
+    if largest >= most:
+        return []
+    return [
+        f"the largest decode graph holds {largest} {unit}, below max_num_seqs {seqs}{why}: "
+        f"decode steps of {largest + 1}..{most} {unit} run eagerly, before the plugin's backend "
+        "sees them (FastDeploy's GraphOptBackend sends them to the model directly). Add a size "
+        "that holds them, or tune this deployment's stats (fd-cudagraph tune)."
+    ]
 
 
 def _describe_backend(
@@ -861,56 +970,6 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"    decode steps: {backend.decode}")
         lines.append(f"    prefill/mixed steps: {backend.prefill}")
     lines.append(f"total graphs: {plan.total_graphs}")
+    lines.extend(f"warning: {warning}" for warning in plan.warnings)
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)
-
-
-#: ``plan``'s own flags, by ``PlanInput`` field (argparse's dest is the field but for these).
-_OWN_FLAGS = {
-    "max_num_seqs": "--max-num-seqs",
-    "tensor_parallel_size": "--tensor-parallel-size",
-    "splitwise_role": "--splitwise-role",
-    "spec_method": "--spec-method",
-    "num_speculative_tokens": "--num-speculative-tokens",
-    "graph_opt_level": "--graph-opt-level",
-    "full_cuda_graph": "--full-cuda-graph",
-    "max_capture_shape_prefill": "--max-capture-shape-prefill",
-    "only_prefill": "--only-prefill",
-    "capture_sizes": "--capture-sizes",
-    "capture_sizes_prefill": "--capture-sizes-prefill",
-    "draft_model_use_cudagraph": "--draft-model-use-cudagraph",
-    "sequence_parallel_moe": "--sequence-parallel-moe",
-}
-
-
-def plan_input(options: dict) -> PlanInput:
-    """The command line's settings as one ``PlanInput``: ``plan``'s own flags, FastDeploy's flags
-    and the JSON of its ``--graph-optimization-config`` and ``--speculative-config``, each setting
-    given once or the same wherever given (else a ``ConfigError`` naming both)."""
-    from fd_cudagraph_plugin.tools import engine_args
-
-    given = engine_args.Given()
-    for name, flag in _OWN_FLAGS.items():
-        value = options.get(name)
-        if name == "full_cuda_graph" and value is False:
-            flag = "--no-full-cuda-graph"
-        if name == "draft_model_use_cudagraph" and value is False:
-            flag = "--no-draft-model-use-cudagraph"
-        given.set(name, value, flag)
-    if options.get("disable_sequence_parallel_moe"):
-        given.set("sequence_parallel_moe", False, "--disable-sequence-parallel-moe")
-    elif options.get("enable_expert_parallel") and given.values.get("tensor_parallel_size", 1) > 1:
-        # ParallelConfig: sequence-parallel MoE is on under expert parallelism with tp > 1.
-        given.set("sequence_parallel_moe", True, "--enable-expert-parallel")
-    ranks = given.values.get("tensor_parallel_size", 1) * (options.get("data_parallel_size") or 1)
-    expert_parallel = bool(options.get("enable_expert_parallel")) and ranks > 1
-    if options.get("graph_optimization_config") is not None:
-        engine_args.add_graph_config(given, options["graph_optimization_config"])
-    if options.get("speculative_config") is not None:
-        engine_args.add_speculative_config(given, options["speculative_config"])
-    return PlanInput(
-        **given.values,
-        fastdeploy_version=options.get("fastdeploy_version"),
-        given_notes=tuple(given.notes),
-        expert_parallel=expert_parallel,
-    )

@@ -75,6 +75,11 @@ class Histogram(Counter):
         self.capture_sizes_from = ""
         self.max_num_seqs: int | None = None
         self.max_num_seqs_from = ""
+        #: A line recorded ``eager_above_largest``: the steps above the deployed largest size,
+        #: which FastDeploy's GraphOptBackend ran eagerly before the plugin's backend saw them
+        #: (by count: added to the histogram; as a bare total: ``eager_unknown``).
+        self.eager_recorded = False
+        self.eager_unknown = 0
 
     def add(self, count: int, steps: int) -> None:
         if count > GRAPHED_LIMIT:
@@ -283,13 +288,49 @@ def _add_stats(text: str, where: str, histogram: Histogram) -> None:
                 f"{shown(steps)}."
             )
         parsed.append((_parse_count(count, where), steps))
+    eager, unknown = _eager_above_largest(record, where, running)
     _add_deployment(record, where, histogram)
     histogram.kinds.add("running" if running else "decode")
-    for count, steps in parsed:
+    for count, steps in [*parsed, *eager]:
         histogram.add(count, steps)
+    if "eager_above_largest" in record:
+        histogram.eager_recorded = True
+        histogram.eager_unknown += unknown
     method = record.get("speculative_method")
     if method:
         histogram.speculative_methods.add(str(method)[:40])
+
+
+def _eager_above_largest(
+    record: dict, where: str, running: bool
+) -> tuple[list[tuple[int, int]], int]:
+    """``eager_above_largest`` (written from 0.6.0): the steps above the largest captured size
+    since the line before, by count in the line's unit (``{"300": 2}``), or as a bare total
+    when the counts were not kept. Absent in older stats: ``([], 0)``."""
+    if "eager_above_largest" not in record:
+        return [], 0
+    value = record["eager_above_largest"]
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS:
+        return [], value
+    if not isinstance(value, dict):
+        raise TraceError(
+            f'{where}: "eager_above_largest" must be a step count or an object of counts to '
+            f"steps; got {shown(value)}."
+        )
+    what = "request" if running else "token"
+    parsed = []
+    for count, steps in value.items():
+        if not _DIGITS.fullmatch(count):
+            raise TraceError(
+                f'{where}: "eager_above_largest" key {count[:40]!r} is not a {what} count.'
+            )
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_STEPS:
+            raise TraceError(
+                f'{where}: "eager_above_largest"[{count!r}] must be a step count in '
+                f"0..{MAX_STEPS}; got {shown(steps)}."
+            )
+        parsed.append((_parse_count(count, where), steps))
+    return parsed, 0
 
 
 def _add_deployment(record: dict, where: str, histogram: Histogram) -> None:

@@ -38,7 +38,9 @@ tallied, so memory holds at most a few thousand distinct counts and a line is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +171,15 @@ class TuneResult:
     traffic: list[tuple[int, int]] = field(default_factory=list)
     max_graphs: int = 0
     max_graphs_from: str = ""
+    #: Why only some sizes are allowed (FastDeploy's filter for this launch), or "".
+    kept_by: str = ""
+    #: ``(graphs, padded tokens)`` of the best list without ``--max-graphs``'s cap, where it
+    #: capped below the baseline's count.
+    cap_cost: tuple[int, int] | None = None
+    #: The deployed list saturated or below max_num_seqs, with the share served eagerly.
+    warnings: list[str] = field(default_factory=list)
+    #: The launch flags that change nothing captured, named once.
+    launch_notes: list[str] = field(default_factory=list)
 
     @property
     def graph_optimization_config(self) -> dict[str, list[int]]:
@@ -213,7 +224,12 @@ class TuneResult:
             "eager_above_max": self.eager_above_max,
             "eager_zero_tokens": self.eager_zero_tokens,
             "traffic": [{"size": size, "steps": steps} for size, steps in self.traffic],
-            "notes": self.notes,
+            "kept_by": self.kept_by or None,
+            "cap_cost": None
+            if self.cap_cost is None
+            else {"graphs": self.cap_cost[0], "padded_tokens": self.cap_cost[1]},
+            "warnings": self.warnings,
+            "notes": [*self.notes, *self.launch_notes],
         }
 
 
@@ -281,6 +297,7 @@ def tune(
     *,
     fastdeploy_version: str | None = None,
     deployment: Deployment | None = None,
+    launch: PlanInput | None = None,
 ) -> TuneResult:
     """Choose at most ``max_graphs`` capture sizes for a histogram ``{count: steps}``.
 
@@ -291,7 +308,10 @@ def tune(
     The tuned list is compared with the deployed one where known, else with the release's
     automatic list; ``max_graphs`` None is as many graphs as that list has.
     ``fastdeploy_version`` picks the release's rules (None: the installed FastDeploy's, else
-    develop).
+    develop). ``launch`` is the rest of the deployment's launch line (tensor and expert
+    parallelism, the splitwise role, ...): every list here is what FastDeploy keeps of it for
+    that launch (``filter_capture_size``), computed by ``plan``'s derivation, and a tuned list
+    that launch would cut is refused.
     """
     deployment = deployment or Deployment()
     if max_graphs is not None:
@@ -328,36 +348,62 @@ def tune(
         raise ValueError(f"counts and step counts must be >= 0; got {bad[:5]}")
     observed = [n for n, steps in histogram.items() if n > 0 and steps > 0]
     beyond = getattr(histogram, "beyond", 0)
-    limit = cap if max_size is None else max_size
-    kept = {n: histogram[n] for n in observed if n <= limit}
+    unknown_eager = getattr(histogram, "eager_unknown", 0)
+    target = _Target(release, launch, k, seqs if seqs is not None else cap)
+    step = target.divisor
+    if max_size is not None and max_size % step:
+        raise ConfigError(
+            f"--max-size {max_size}: {target.why}, so FastDeploy would not capture it. Give a "
+            f"multiple of {step}."
+        )
+    limit = (cap // step) * step if max_size is None else max_size
+    kept = {n: histogram[n] for n in observed if _up(n, step) <= limit}
     if not kept:
         raise _nothing_to_tune(observed, beyond, max_size, cap, noun, release)
-    # Without --max-size the largest size is the largest count a step really has: a larger one
-    # would be a graph that no observed step pads to.
-    top = max(kept) if max_size is None else max_size
+    # Without --max-size the largest size is the largest observed count a graph can hold: a
+    # larger one would be a graph no observed step pads to. Steps recorded as eager without
+    # their counts need the largest size FastDeploy allows to get a graph at all.
+    top = _up(max(kept), step) if max_size is None else max_size
+    if unknown_eager and max_size is None:
+        top = limit
     deployed = _deployed_sizes(deployment, k, release)
     if deployed:
+        if not deployment.capture_sizes_in_tokens:
+            deployed = target.kept(deployed, f"--capture-sizes {_joined(deployed)}", refuse=False)
         baseline = deployed
         label = f"from {deployment.capture_sizes_from}"
     else:
-        # FastDeploy's automatic list for max_num_seqs (else the largest count), in the units
-        # the user passes: with speculative decoding it scales the same candidates by k + 1.
+        # FastDeploy's automatic list for max_num_seqs (else the largest count) as this launch
+        # keeps it, in the units the user passes.
         base_seqs = seqs if seqs is not None else top
-        baseline = derive_plan(
-            PlanInput(max_num_seqs=base_seqs, fastdeploy_version=release.name)
-        ).capture_sizes
+        baseline = target.default_list(base_seqs)
         label = f"FastDeploy {release.name}'s list for max_num_seqs={base_seqs}"
+        if target.divisor > 1:
+            label += f", as {target.short}"
     graphs_from = "--max-graphs"
     if max_graphs is None:
         kind = "deployed" if deployed else "default"
         max_graphs, graphs_from = len(baseline), f"as many as the {kind} list"
-    sizes = optimal_sizes(kept, max_graphs, top)
+    rounded = _rounded(kept, step)
+    sizes = optimal_sizes(rounded, max_graphs, top)
+    target.kept(sizes, "the tuned list", refuse=True)
+    padded = padded_tokens(sizes, kept) * (k + 1)
+    cap_cost = None
+    if graphs_from == "--max-graphs" and max_graphs < len(baseline):
+        wider = optimal_sizes(rounded, len(baseline), top)
+        cap_cost = (len(wider), padded_tokens(wider, kept) * (k + 1))
     notes = _notes(histogram, k, sizes, top, release)
+    if unknown_eager and max_size is None:
+        notes.append(
+            f"{plural(unknown_eager, 'step')} ran eagerly above the deployed largest size "
+            "without their counts in the stats; the tuned list ends at the largest size FastDeploy "
+            f"allows ({top}) so they get a graph, and their padding is in no figure here."
+        )
     return TuneResult(
         steps=sum(kept.values()),
         max_size=top,
         capture_sizes=sizes,
-        padded_tokens=padded_tokens(sizes, kept) * (k + 1),
+        padded_tokens=padded,
         baseline_capture_sizes=list(baseline),
         baseline_padded_tokens=padded_tokens(baseline, kept) * (k + 1),
         eager_above_max=sum(s for n, s in histogram.items() if n > top) + beyond,
@@ -373,7 +419,150 @@ def tune(
         traffic=_traffic(sizes, kept),
         max_graphs=max_graphs,
         max_graphs_from=graphs_from,
+        kept_by=target.why if step > 1 else "",
+        cap_cost=cap_cost,
+        warnings=_saturation(histogram, baseline, deployed, cap, k, unknown_eager),
+        launch_notes=target.launch_notes,
     )
+
+
+def _up(count: int, step: int) -> int:
+    """The smallest multiple of ``step`` that holds ``count``."""
+    return -(-count // step) * step
+
+
+def _rounded(kept: Mapping[int, int], step: int) -> dict[int, int]:
+    """The steps by the smallest size a kept list can hold them in: with only multiples of
+    ``step`` captured, a step pads to one of those whatever the list, so fitting the rounded
+    counts is exact (the padding up to the multiple is the same for every list)."""
+    rounded: dict[int, int] = {}
+    for count, steps in kept.items():
+        rounded[_up(count, step)] = rounded.get(_up(count, step), 0) + steps
+    return rounded
+
+
+def _joined(sizes: Iterable[int]) -> str:
+    return ",".join(map(str, sizes))
+
+
+class _Target:
+    """The deployment's launch, as ``plan`` derives it: which sizes FastDeploy keeps.
+
+    Sizes here are in the fit's units (running requests under speculative decoding, else
+    tokens); FastDeploy filters the token sizes, ``s * (k + 1)``.
+    """
+
+    def __init__(self, release: Release, launch: PlanInput | None, k: int, seqs: int) -> None:
+        self.release, self.k = release, k
+        base = launch or PlanInput()
+        method = base.spec_method or ("mtp" if k else None)
+        self.launch = dataclasses.replace(
+            base,
+            max_num_seqs=seqs,
+            fastdeploy_version=release.name,
+            capture_sizes=None,
+            spec_method=method if k else None,
+            num_speculative_tokens=k or None,
+            num_model_steps=None,
+        )
+        plan = derive_plan(self.launch)
+        self.launch_notes = [n for n in plan.notes if "change nothing FastDeploy" in n]
+        tp = self.launch.tensor_parallel_size
+        self.divisor = tp // math.gcd(tp, k + 1) if plan.filtered_for_tp else 1
+        role = self.launch.splitwise_role
+        self.short = f"filter_capture_size keeps it (TP {tp}, role {role})"
+        self.why = (
+            f"with sequence-parallel MoE under TP {tp} (role {role}) FastDeploy's "
+            f"filter_capture_size keeps only {'token ' if k else ''}sizes divisible by {tp}"
+            + (f" (here, running requests divisible by {self.divisor})" if k else "")
+        )
+
+    def _config(self, sizes: Iterable[int]) -> tuple[int, ...]:
+        """As ``cudagraph_capture_sizes`` takes them: 2.5 takes tokens under speculation."""
+        scale = self.k + 1 if self.k and not self.release.scales_user_sizes else 1
+        return tuple(size * scale for size in sizes)
+
+    def captured(self, sizes: Iterable[int]) -> list[int]:
+        """What FastDeploy captures of ``sizes`` with this launch, in the fit's units."""
+        plan = derive_plan(dataclasses.replace(self.launch, capture_sizes=self._config(sizes)))
+        return sorted(
+            {int(size / (self.k + 1)) for size in plan.capture_sizes if size}, reverse=True
+        )
+
+    def kept(self, sizes: list[int], what: str, *, refuse: bool) -> list[int]:
+        """``sizes`` as FastDeploy keeps them; a tuned list it would cut is refused."""
+        try:
+            captured = self.captured(sizes)
+        except ConfigError as error:
+            if not refuse:
+                raise
+            captured, reason = [], str(error)
+        else:
+            reason = ""
+        lost = sorted(set(sizes) - set(captured))
+        if refuse and (lost or reason):
+            lost_text = ", ".join(map(str, sorted(lost, reverse=True))) or "every size"
+            raise ConfigError(
+                f"{what} ({', '.join(map(str, sizes))}) would lose {lost_text} in this launch "
+                f"({reason or self.why}); "
+                "refused, as it would serve those steps eagerly. Please report it: tune should "
+                "not have chosen it."
+            )
+        return captured
+
+    def default_list(self, seqs: int) -> list[int]:
+        plan = derive_plan(dataclasses.replace(self.launch, max_num_seqs=seqs))
+        return sorted(
+            {int(size / (self.k + 1)) for size in plan.capture_sizes if size}, reverse=True
+        )
+
+
+#: A share of steps at the largest size from which the list is said to be saturated.
+SATURATED = 0.2
+
+
+def _saturation(
+    histogram: Mapping[int, int],
+    baseline: list[int],
+    deployed: list[int],
+    cap: int,
+    k: int,
+    unknown_eager: int,
+) -> list[str]:
+    """The deployed list's largest size below what the deployment allows, with many steps at
+    it or recorded above it: steps there ran eagerly, before the plugin's backend."""
+    if not deployed:
+        return []
+    largest = max(baseline)
+    if largest >= cap:
+        return []
+    above = sum(steps for n, steps in histogram.items() if n > largest)
+    above += getattr(histogram, "beyond", 0) + unknown_eager
+    served = sum(steps for n, steps in histogram.items() if 0 < n <= largest)
+    at = histogram.get(largest, 0)
+    recorded = getattr(histogram, "eager_recorded", False)
+    if not served or (at / served < SATURATED and not above):
+        return []
+    total = served + above
+    noun = "running requests" if k else "tokens"
+    if recorded or above:
+        eager = (
+            f"{above / total:.1%} of all steps ran eagerly above it ({plural(above, 'step')} of "
+            f"{total})"
+        )
+    else:
+        eager = (
+            "how many ran eagerly above it is unknown: these stats do not count them (the "
+            "plugin writes eager_above_largest from 0.6.0), and a full batch at the cap is how "
+            "a capped deployment looks"
+        )
+    return [
+        f"the deployed list ends at {largest} {noun}, below the {cap} this deployment allows, and "
+        f"{at / served:.1%} of the steps its graphs served ran at {largest}; {eager}. Steps above "
+        "the "
+        "largest size run without a graph, before the plugin's backend sees them; the padding "
+        "figures count only the steps recorded."
+    ]
 
 
 def _deployed_sizes(deployment: Deployment, k: int, release: Release) -> list[int]:
@@ -500,6 +689,15 @@ def format_result(result: TuneResult) -> str:
         f"{name} {result.baseline_padded_tokens} ({per_step(result.baseline_padded_tokens)}), "
         f"{change}",
     ]
+    if result.cap_cost is not None:
+        graphs, tokens = result.cap_cost
+        lines.append(
+            f"the cap of {graphs_phrase(len(tuned))} (--max-graphs) costs "
+            f"{result.padded_tokens - tokens} padded tokens against the best "
+            f"{graphs_phrase(graphs)} ({tokens}, {per_step(tokens)})"
+        )
+    if result.kept_by:
+        lines.append(f"sizes: {result.kept_by}; every list above is what it keeps")
     if result.baseline_eager_steps:
         lines.append(
             f"above the {name} list's largest size ({max(baseline)}): "
@@ -517,7 +715,8 @@ def format_result(result: TuneResult) -> str:
         )
     else:
         lines.append(f"use: --graph-optimization-config {config}")
-    lines.extend(f"note: {note}" for note in result.notes)
+    lines.extend(f"warning: {warning}" for warning in result.warnings)
+    lines.extend(f"note: {note}" for note in [*result.notes, *result.launch_notes])
     return "\n".join(lines)
 
 
@@ -541,20 +740,24 @@ def _histogram_lines(result: TuneResult, noun: str) -> list[str]:
 
 
 def run_tune(args: Any) -> TuneResult:
-    """``fd-cudagraph tune``: read the traces, take the deployment from the flags and the stats
-    files (a flag and a file that disagree are an error naming both), tune."""
+    """``fd-cudagraph tune``: read the traces, take the deployment from the launch flags and the
+    stats files (a flag and a file that disagree are an error naming both), tune."""
+    from fd_cudagraph_plugin.tools import engine_args
+
+    launch = engine_args.serving_input(vars(args))
     histogram = read_histogram(args.trace)
     return tune(
         histogram,
         args.max_graphs,
         args.max_size,
-        args.num_speculative_tokens,
+        launch.num_speculative_tokens,
         fastdeploy_version=args.fastdeploy_version,
-        deployment=_deployment(args, histogram),
+        deployment=_deployment(args, launch, histogram),
+        launch=launch,
     )
 
 
-def _deployment(args: Any, histogram: Histogram) -> Deployment:
+def _deployment(args: Any, launch: PlanInput, histogram: Histogram) -> Deployment:
     seqs, seqs_from = histogram.max_num_seqs, histogram.max_num_seqs_from
     if args.max_num_seqs is not None:
         if seqs is not None and seqs != args.max_num_seqs:
@@ -565,14 +768,15 @@ def _deployment(args: Any, histogram: Histogram) -> Deployment:
         seqs, seqs_from = args.max_num_seqs, seqs_from or "--max-num-seqs"
     sizes, sizes_from = histogram.capture_sizes, histogram.capture_sizes_from
     in_tokens = sizes is not None
-    if args.capture_sizes is not None:
-        given = tuple(sorted(set(args.capture_sizes), reverse=True))
+    if launch.capture_sizes is not None:
+        given = tuple(sorted(set(launch.capture_sizes), reverse=True))
+        flag = "--capture-sizes" if args.capture_sizes else "--graph-optimization-config"
         if sizes is not None and sizes != given:
             raise ConfigError(
-                f"--capture-sizes {','.join(map(str, given))} and {sizes_from} (capture_sizes "
+                f"{flag} {','.join(map(str, given))} and {sizes_from} (capture_sizes "
                 f"{','.join(map(str, sizes))}) disagree; leave the flag out, or tune the stats "
                 "of that deployment."
             )
         if sizes is None:
-            sizes, sizes_from, in_tokens = given, "--capture-sizes", False
+            sizes, sizes_from, in_tokens = given, flag, False
     return Deployment(seqs, seqs_from, sizes, sizes_from, in_tokens)

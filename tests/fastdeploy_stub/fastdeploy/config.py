@@ -351,7 +351,9 @@ class FDConfig:
             goc.use_cudagraph = goc.cudagraph_only_prefill
         if self.load_config.dynamic_load_weight:
             goc.graph_opt_level = 0
-        if self.cache_config.num_cpu_blocks:
+        if self.cache_config.num_cpu_blocks and _stub_version.current() == "develop":
+            # r3_mm_dev only: "Layer-by-layer swap-in is incompatible with CUDA Graph prefill
+            # capture"; 2.4 to 2.6 keep cudagraph_only_prefill with a host cache.
             goc.cudagraph_only_prefill = False
         if not _stub_version.at_least("2.5"):
             # 2.4: filter first, then the mixed and decode roles turn SP-MoE off.
