@@ -333,3 +333,45 @@ def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(s
         reader.join()
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["tokens", "running requests"])
+def test_steps_fastdeploy_runs_above_the_largest_graph_are_counted_and_reach_tune(
+    plugin_registered, monkeypatch, tmp_path, speculative
+):
+    """FastDeploy's GraphOptBackend runs a decode step above its largest graph eagerly without
+    calling the backend (2.4 through develop): counted all the same, by reason, in stats(), the
+    exit table and the stats file, whose eager_above_largest tune adds to the histogram."""
+    from conftest import DecoratedBackbone
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin.tools.traces import read_histogram
+
+    path = tmp_path / "stats-{rank}.jsonl"
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(path))
+    spec = {"method": "mtp", "num_speculative_tokens": 1} if speculative else None
+    config = make_config(8, speculative=spec, cudagraph_capture_sizes=[4, 2])
+    model = DecoratedBackbone(fd_config=config)
+    runner = GPUModelRunner(config, model)
+    runner.profile_run()
+    runner.capture_model()
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    before = backend.stats()["eager_fallbacks"].get("oversized_decode", 0)
+    backend.flush_stats()  # the profile run's steps
+    written = tmp_path / "stats-0.jsonl"
+    lines = written.read_text().count("\n") if written.exists() else 0
+    per_request = 2 if speculative else 1  # MTP (k = 1) scales the sizes: [8, 4] tokens
+    for requests in (2, 6, 8, 4):
+        runner.execute_step(per_request * requests)
+    assert backend.stats()["eager_fallbacks"].get("oversized_decode") == before + 2
+    assert "oversized decode" in observability.format_table(backend.stats(), "target")
+    backend.flush_stats()
+    (line,) = [json.loads(t) for t in (tmp_path / "stats-0.jsonl").read_text().splitlines()[lines:]]
+    assert line["eager_above_largest"] == {"6": 1, "8": 1}  # tokens, or running requests
+    assert (
+        sum(line["eager_above_largest"].values())
+        + sum(line["decode_token_counts" if not speculative else "running_request_counts"].values())
+        == 4
+    )
+    histogram = read_histogram([tmp_path / "stats-0.jsonl"])
+    assert histogram.eager_recorded

@@ -145,6 +145,9 @@ class _CountingBackend:
     def observed_keys(self) -> dict[int, int]:
         return dict(self.counts)
 
+    def observed_above(self) -> dict[int, int]:
+        return {}
+
 
 def test_reads_the_stats_file_the_plugin_writes(tmp_path):
     writer = StatsFile(

@@ -372,6 +372,10 @@ class CudaGraphBackend:
         decoding, since construction: what ``fd-cudagraph tune`` reads."""
         return self.dispatcher.served_counts.observed()
 
+    def observed_above(self) -> dict[int, int]:
+        """Of ``observed_keys``, the decode steps above the largest graph (run eagerly)."""
+        return dict(self.dispatcher.served_counts.above)
+
     def flush_stats(self) -> None:
         if self._stats_file is not None:
             self._stats_file.flush(self)

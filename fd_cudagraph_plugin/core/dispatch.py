@@ -9,8 +9,8 @@ The dispatcher owns the routing rule in two forms, kept equal by ``tests/test_di
 * ``serve``: the same rule for the one common case, a decode step whose graph is captured, as a
   closure over the table ``served`` that ``publish`` keeps: the backend's ``__call__``.
 
-Every counter is here, for both paths and for the steps FastDeploy runs above the largest graph
-without the backend (``around``): served traffic and capture-time runs apart (``tune`` fits sizes
+Every counter is here, for both paths and for the steps FastDeploy runs without the backend
+(``skipped``): served traffic and capture-time runs apart (``tune`` fits sizes
 to served steps only). ``steps[key]`` counts decode replays by the hot path's key (token count,
 or running requests under speculative decoding, where ``tokens[key]`` counts their tokens);
 ``other_keys`` the decode steps of a key its graph did not serve, ``by_tokens`` those replayed by
@@ -55,10 +55,13 @@ class Counts:
         self.prefill_steps = [0] * len(mode.prefill_table)
         self.fallbacks: Counter[str] = Counter()
         self.other_keys: Counter[int] = Counter()
+        #: Decode steps above the largest graph, by key: eager for their size, whoever ran them.
+        self.above: Counter[int] = Counter()
 
     def observed(self) -> dict[int, int]:
-        """Decode steps per key, however they were served: what ``fd-cudagraph tune`` reads."""
-        seen = Counter(dict(self.other_keys))
+        """Decode steps per key, however they were served, those above the largest graph
+        (``above``) included: what ``fd-cudagraph tune`` reads."""
+        seen = Counter(dict(self.other_keys)) + Counter(dict(self.above))
         seen.update({key: n for key, n in enumerate(list(self.steps)) if n})
         return dict(seen)
 
@@ -268,7 +271,8 @@ class Dispatcher:
         if step.action != REPLAY:
             counts.fallbacks[step.reason] += 1
             if step.observed is not None:
-                counts.other_keys[step.observed] += 1
+                keys = counts.above if step.reason == "oversized_decode" else counts.other_keys
+                keys[step.observed] += 1
         elif step.key.phase == PREFILL:
             counts.prefill_steps[tokens] += 1
         elif step.by == RUNNING:
@@ -281,22 +285,15 @@ class Dispatcher:
         else:
             counts.steps[tokens] += 1
 
-    def around(self, meta: Any, run: Callable[[], Any]) -> Any:
-        """``run`` (FastDeploy's ``GraphOptBackend.__call__``), counting a decode step it runs
-        without calling this backend, for being above the largest captured size: what ``tune``
-        learns larger sizes would serve."""
-        if meta is None or meta.exist_prefill:
-            return run()
-        tokens = meta.ids_remove_padding.shape[0]
-        if tokens < len(self.mode.decode_table):
-            return run()
-        fallbacks = self.counts.fallbacks
-        before = fallbacks["oversized_decode"]
-        result = run()
-        if fallbacks["oversized_decode"] == before:  # the backend never saw it
-            observed = self._running(meta) if self.mode.keyed_by_running else tokens
-            self.count(Step(None, "oversized_decode", observed), tokens)
-        return result
+    def skipped(self, meta: Any) -> None:
+        """A step FastDeploy ran without this backend (``seam.count_steps_run_without``): counted
+        when it is a decode step above the largest graph, eager for lack of one. Prefill outside
+        static split mode, and steps the runner did not flag for graphs (2.4's prefill: its
+        ``ForwardMeta`` has no ``exist_prefill``), are FastDeploy's own choice."""
+        if meta is not None and meta.step_use_cudagraph:
+            step = self.route(meta, meta.ids_remove_padding.shape[0])
+            if step.reason == "oversized_decode":
+                self.count(step, meta.ids_remove_padding.shape[0])
 
     def route(self, meta: Any, tokens: int) -> Step:
         mode = self.mode

@@ -31,26 +31,10 @@ def adopt(backend: SessionBackend) -> lifecycle.FirstReplay:
     options = backend.settings.options
     observability.start(options)
     install()
-    if options.stats_file:
-        seam.wrap_graph_opt_backend_call(_counting_steps_above_the_graphs)
+    seam.count_steps_run_without(backend.layer, backend.dispatcher.skipped)
     if worker.session is not None:
         worker.session.join(backend)
     return lifecycle.state().first_replay
-
-
-def _counting_steps_above_the_graphs(original: Callable) -> Callable:
-    """``GraphOptBackend.__call__``, through the backend's dispatcher, which counts the decode
-    steps it runs without the backend (``Dispatcher.around``)."""
-
-    @functools.wraps(original)
-    def __call__(graph_opt_backend: Any, **kwargs: Any) -> Any:
-        dispatcher = getattr(seam.graph_backend_of(graph_opt_backend), "dispatcher", None)
-        if dispatcher is None:
-            return original(graph_opt_backend, **kwargs)
-        meta = kwargs.get("forward_meta")
-        return dispatcher.around(meta, lambda: original(graph_opt_backend, **kwargs))
-
-    return __call__
 
 
 def _in_session(method: Callable, phase: str) -> Callable:
@@ -118,10 +102,8 @@ def watch() -> None:
 
 
 def uninstall() -> None:
-    graph_opt_backend = getattr(seam.import_or_none(seam.BACKEND_MODULE), "GraphOptBackend", None)
     wrapped = [(r, n) for r in seam.loaded_runners() for n, _ in seam.CAPTURE_LOOPS]
     wrapped += [(r, n) for r in seam.loaded_runners() for n, _ in seam.LIFECYCLE]
-    wrapped += [(graph_opt_backend, "__call__")] if graph_opt_backend is not None else []
     wrapped += [(w, "determine_available_memory") for w in seam.loaded_workers()]
     wrapped += [(w, seam.START_UP) for w in seam.loaded_workers()]
     for owner, name in wrapped:

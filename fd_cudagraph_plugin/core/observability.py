@@ -186,8 +186,9 @@ class StatsFile:
     {"<tokens>": <steps>, ...}}``; under speculative decoding, where FastDeploy keys graphs by
     running requests, ``"running_request_counts"`` instead, with ``speculative_method`` and
     ``num_speculative_tokens``. ``capture_sizes`` is the deployed decode list in tokens, as
-    FastDeploy derived it, largest first; counts above its largest are steps FastDeploy ran
-    without a graph for their size. Summing the counts of every line gives the histogram.
+    FastDeploy derived it, largest first. ``eager_above_largest`` holds the steps above its
+    largest, run eagerly (by FastDeploy's ``GraphOptBackend``, mostly), in the same unit and
+    apart from the others. Summing the counts of every line, both kinds, gives the histogram.
     Written only at flushes (periodic, on clear, at exit); a failed write is logged once and
     retried with the next flush.
     """
@@ -201,18 +202,19 @@ class StatsFile:
         self.k = settings.num_speculative_tokens
         self.capture_sizes = list(settings.capture_sizes)
         self.max_num_seqs = settings.max_num_seqs
-        self._written: dict[str, dict[int, int]] = {}
+        self._written: dict[str, tuple[Counter[int], dict[int, int]]] = {}
 
     def flush(self, backend: Any) -> None:
         key = f"{id(backend):#x}"
-        current = backend.observed_keys()
-        previous = self._written.get(key, {})
-        increments = {
-            n: c - previous.get(n, 0) for n, c in current.items() if c > previous.get(n, 0)
-        }
-        if not increments:
+        above = backend.observed_above()
+        current = (Counter(backend.observed_keys()) - Counter(above), above)
+        previous = self._written.get(key, ({}, {}))
+        counts, eager = (
+            {str(n): c - before.get(n, 0) for n, c in sorted(now.items()) if c > before.get(n, 0)}
+            for now, before in zip(current, previous, strict=True)
+        )
+        if not counts and not eager:
             return
-        counts = {str(n): c for n, c in sorted(increments.items())}
         line: dict[str, Any] = {
             "format": STATS_FORMAT,
             "time": round(time.time(), 3),
@@ -227,6 +229,7 @@ class StatsFile:
             line["running_request_counts"] = counts
         else:
             line["decode_token_counts"] = counts
+        line["eager_above_largest"] = eager
         try:
             outputs.write_file(self.path, json.dumps(line) + "\n", append=True)
         except OSError as error:

@@ -77,24 +77,24 @@ def bind_backend(cls: type) -> object:
     return getattr(module, "_fd_cudagraph_native_backend", native)
 
 
-def wrap_graph_opt_backend_call(wrap: Callable[[Callable], Callable]) -> bool:
-    """Replace ``GraphOptBackend.__call__`` by ``wrap(original)``, once; False where there is
-    none. ``GraphOptBackend`` runs a decode step above its ``max_captre_size`` (sic) eagerly
-    without calling the backend (2.4 through develop), so only this sees those steps."""
-    cls = getattr(import_or_none(BACKEND_MODULE), "GraphOptBackend", None)
-    if cls is None:
+def count_steps_run_without(layer: object, count: Callable[[Any], None]) -> bool:
+    """Make ``count(forward_meta)`` see every step FastDeploy's ``GraphOptBackend`` of ``layer``
+    runs without the CUDA-graph backend: a decode step above ``max_captre_size`` (sic), prefill
+    outside static split mode, a step its runner did not flag. It runs those, and nothing else,
+    through its ``dy_runnable`` (2.4 through develop), which is wrapped here once; steps it gives
+    the backend pay nothing. False where ``layer`` has none."""
+    graph_opt_backend = getattr(layer, "graph_opt_backend", None)
+    run = getattr(graph_opt_backend, "dy_runnable", None)
+    if run is None or hasattr(run, "_fd_cudagraph_original"):
         return False
-    if not hasattr(cls.__call__, "_fd_cudagraph_original"):
-        original = cls.__call__
-        wrapped = wrap(original)
-        wrapped._fd_cudagraph_original = original
-        cls.__call__ = wrapped
+
+    def dy_runnable(**kwargs: Any) -> Any:
+        count(kwargs.get("forward_meta"))
+        return run(**kwargs)
+
+    dy_runnable._fd_cudagraph_original = run  # type: ignore[attr-defined]
+    graph_opt_backend.dy_runnable = dy_runnable
     return True
-
-
-def graph_backend_of(graph_opt_backend: object) -> object:
-    """The backend a ``GraphOptBackend`` built (None before its first graphed step)."""
-    return getattr(graph_opt_backend, "cudagraph_piecewise_backend", None)
 
 
 def backfill_forward_meta(patches: list[tuple[type, str]]) -> list[str]:
