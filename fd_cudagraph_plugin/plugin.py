@@ -14,6 +14,7 @@ import os
 from fd_cudagraph_plugin.core import process, seam
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.options import BY_ENV, OPTIONS, unknown_options
+from fd_cudagraph_plugin.core.ranks.join import listen_problem
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -37,6 +38,9 @@ def register() -> None:
         )
     state = process.current()
     options = state.options
+    problem = listen_problem(options.agreement_interface, options.agreement_ports, os.environ)
+    if problem is not None:
+        raise ConfigError(problem)
     importlib.import_module(seam.BACKEND_MODULE)
     seam.log_to_worker_log()
     if options.backend == "native":

@@ -1237,3 +1237,29 @@ def test_the_server_module_reads_no_deprecated_libzmq_field():
     id without a connection; no ``ZMQ_SRCFD`` (deprecated) to map a connection to a rank."""
     for module in (server, sockets):
         assert "SRCFD" not in Path(module.__file__).read_text()
+
+
+def test_a_rank_zero_that_cannot_listen_says_why_on_every_rank_at_once():
+    """An address no interface of rank 0's host has (across hosts, only rank 0 can tell): rank
+    0 publishes why, and the others stop at once saying it, instead of after their timeout and
+    blaming FD_PLUGINS."""
+    store, raised = DictStore(), {}
+
+    def connect(rank: int) -> None:
+        started = time.monotonic()
+        try:
+            joining.join(lambda: store, "t", Address("10.250.250.250"), rank, 2, 30, "g")
+        except JoinError as error:
+            raised[rank] = (error, time.monotonic() - started)
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (1, 0)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.3)  # rank 1 waits for rank 0 first
+    for thread in threads:
+        thread.join(40)
+    for rank in (0, 1):
+        error, took = raised[rank]
+        assert isinstance(error, joining.ServerNotStarted) and took < QUICK
+        assert "cannot listen on tcp://10.250.250.250" in str(error)
+        assert "FD_CUDAGRAPH_AGREEMENT_INTERFACE" in str(error)

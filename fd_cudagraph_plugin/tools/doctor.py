@@ -28,6 +28,7 @@ from fd_cudagraph_plugin.core.options import (
     removed_option_error,
     unknown_options,
 )
+from fd_cudagraph_plugin.core.ranks.join import listen_problem
 from fd_cudagraph_plugin.core.seam import BACKEND_MODULE as _BACKEND_MODULE
 from fd_cudagraph_plugin.core.seam import BACKEND_NAME as _NAME
 from fd_cudagraph_plugin.core.seam import constructor_shape, cuda_runtime_blocker
@@ -380,6 +381,12 @@ def check_options(environ: Mapping[str, str], earlier: Earlier | None = None) ->
             values[option.env] = read_option(option.env, environ)
         except ConfigError as error:
             errors.append(str(error))
+    interface = values.get("FD_CUDAGRAPH_AGREEMENT_INTERFACE")
+    if interface is not None and "FD_CUDAGRAPH_AGREEMENT_PORTS" in values:
+        # What register() refuses on this host: where the ranks could not agree.
+        problem = listen_problem(interface, values["FD_CUDAGRAPH_AGREEMENT_PORTS"], environ)
+        if problem is not None:
+            errors.append(f"{problem}.")
     fixes = []
     if values.get("FD_CUDAGRAPH_RUNTIME") == "simulated":
         errors.append(f"{SIMULATED}.")

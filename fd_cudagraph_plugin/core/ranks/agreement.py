@@ -99,6 +99,12 @@ def link_for(fd_config: Any, options: PluginOptions) -> Link:
             link = join.join(
                 seam.job_store, name, address, ranks.tp_rank, ranks.tp_size, options.rank_timeout
             )
+        except join.ServerNotStarted as error:
+            raise CaptureError(
+                f"tensor-parallel rank 0 of the group of ranks {group} could not start the CUDA "
+                f"graph agreement server: {error}.",
+                stage="agreement",
+            ) from error
         except (JoinError, OSError) as error:
             raise RankTimeoutError(
                 f"tensor-parallel rank {ranks.tp_rank} could not join its group's CUDA graph "

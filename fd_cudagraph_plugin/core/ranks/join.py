@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import os
+import socket
 import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -120,13 +122,86 @@ def _check_private(endpoint: str) -> None:
         )
 
 
-class Published(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What rank 0 publishes in the job store."""
+class Published(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """What rank 0 publishes in the job store: where its server listens."""
 
     endpoint: Annotated[
         str, Meta(max_length=MAX_SOCKET_PATH + 6, pattern=r"^(ipc:///|tcp://)[\w./:\[\]-]+$")
     ]
     token: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+
+
+class NotStarted(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """What rank 0 publishes when its server cannot listen: the others stop at once, saying
+    why, instead of waiting their whole timeout."""
+
+    why: Annotated[str, Meta(max_length=MAX_LABEL * 2)]
+
+
+class ServerNotStarted(JoinError):
+    """TP rank 0 could not start the server (``NotStarted``): an operator's setting, mostly."""
+
+
+def listen_problem(
+    interface: str, ports: tuple[int, int] | None, environ: Mapping[str, str]
+) -> str | None:
+    """Why ``FD_CUDAGRAPH_AGREEMENT_INTERFACE`` / ``_PORTS`` cannot work from this host, or None:
+    an interface it does not have, a wildcard or loopback address where the job spans hosts (the
+    other hosts would dial it), and, where the whole job is on this host (so TP rank 0 is here
+    too), an address it does not own or a port range in use. ``register()`` and ``fd-cudagraph
+    doctor`` ask it."""
+    spans = _job_spans_hosts(environ)
+    host = None if interface == "auto" else interface
+    if host is not None:
+        try:
+            address = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            address = None
+            try:
+                socket.if_nametoindex(host)
+            except OSError:
+                return (
+                    f"FD_CUDAGRAPH_AGREEMENT_INTERFACE={host}: this host has no network interface "
+                    f"of that name and it is no IP address; name one of "
+                    f"{', '.join(sorted(n for _, n in socket.if_nameindex()))}, or unset it"
+                )
+        unreachable = host in ("lo", "lo0") or (
+            address is not None and (address.is_loopback or address.is_unspecified)
+        )
+        if spans and unreachable:
+            return (
+                f"FD_CUDAGRAPH_AGREEMENT_INTERFACE={host} is a wildcard or loopback address, which "
+                f"the other hosts of this job cannot dial; give an address or interface of TP rank "
+                f"0's host that they reach, or unset it"
+            )
+        if address is not None and not spans and not _bindable(str(address), 0):
+            return (
+                f"FD_CUDAGRAPH_AGREEMENT_INTERFACE={host} is not an address of this host, where "
+                f"every rank of the job runs; give one of its own, or unset it"
+            )
+    if ports is not None and not spans:
+        where = str(address) if host is not None and address is not None else "0.0.0.0"
+        if not any(_bindable(where, port) for port in range(ports[0], ports[1] + 1)):
+            return (
+                f"every port of FD_CUDAGRAPH_AGREEMENT_PORTS={ports[0]}-{ports[1]} is in use on "
+                f"this host; widen the range, or unset it"
+            )
+    return None
+
+
+def _job_spans_hosts(environ: Mapping[str, str]) -> bool:
+    endpoints = [e for e in environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
+    return len({e.rpartition(":")[0] for e in endpoints}) > 1
+
+
+def _bindable(address: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, port))
+        except OSError:
+            return False
+    return True
 
 
 def group_id(name: str) -> str:
@@ -200,13 +275,17 @@ def _host(
     endpoint = f"tcp://{host}" if host is not None else f"ipc://{socket_directory()}/s"
     try:
         server = Server(world, endpoint, address.ports, group)
-    except BindError as error:
-        raise JoinError(str(error)) from None
-    except zmq.ZMQError as error:
-        raise JoinError(
-            f"the agreement server cannot listen on {endpoint} ({error}); "
-            f"check FD_CUDAGRAPH_AGREEMENT_INTERFACE"
-        ) from None
+    except (BindError, zmq.ZMQError) as error:
+        why = str(error)
+        if isinstance(error, zmq.ZMQError):
+            why = (
+                f"it cannot listen on {endpoint} ({error}); check "
+                f"FD_CUDAGRAPH_AGREEMENT_INTERFACE, or unset it"
+            )
+        failed = msgspec.json.encode(NotStarted(text(why, 2 * MAX_LABEL))).decode()
+        with contextlib.suppress(JoinError):  # the others stop at once, saying why
+            _bounded(lambda: _publish(store(), name, failed), deadline, "publish to")
+        raise ServerNotStarted(why) from None
     try:
         server.start()
         logger.info(
@@ -233,16 +312,22 @@ def _publish(store: Store, name: str, value: str) -> None:
 
 
 def _read(store: Store, name: str, deadline: float) -> Published | None:
-    """What rank 0 published, once it has (None: not before ``deadline``)."""
+    """What rank 0 published, once it has (None: not before ``deadline``); ``ServerNotStarted``
+    when it could not listen."""
     while store.add(f"{name}/ready", 0) < 1:
         if time.monotonic() >= deadline:
             return None
         time.sleep(_STORE_POLL_SECONDS)
     raw = store.get(f"{name}/server")
     try:
-        return msgspec.json.decode(raw if isinstance(raw, bytes) else bytes(raw), type=Published)
+        read = msgspec.json.decode(
+            raw if isinstance(raw, bytes) else bytes(raw), type=Published | NotStarted
+        )
     except (*UNREADABLE, TypeError):
         raise JoinError("the agreement server's address in the job store is malformed") from None
+    if isinstance(read, NotStarted):
+        raise ServerNotStarted(read.why)
+    return read
 
 
 def _bounded(call: Callable[[], Any], deadline: float, what: str) -> Any:
