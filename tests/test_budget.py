@@ -263,7 +263,10 @@ def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, cap
         ("-2GiB", "must be off, auto, or a size"),
         ("2TiB", "at most 1 TiB"),
         ("nanGiB", "must be off, auto, or a size"),
-        ("1e400GiB", "at most 1 TiB"),
+        ("1e400GiB", "no exponent"),
+        ("1e3MiB", "no exponent"),  # 1000 MiB before, where FD_CUDAGRAPH_RANK_TIMEOUT=1e3 failed
+        (".5GiB", "ASCII digits"),
+        ("1_024MiB", "ASCII digits"),
         ("2 parsecs", "'parsecs' is no unit"),
         # Before: a bare number meant bytes, and what rounded to 0 bytes was taken as 0.
         ("2", "needs its unit"),
@@ -271,7 +274,7 @@ def test_without_a_profile_run_the_reserve_only_reports(device, monkeypatch, cap
         ("0.5", "needs its unit"),
         ("0.4b", "below 1 MiB"),
         ("0.0001KiB", "below 1 MiB"),
-        ("1e-9GiB", "below 1 MiB"),  # one byte: accepted before
+        ("0.000000001GiB", "below 1 MiB"),  # one byte: accepted before
         ("1023KiB", "below 1 MiB"),
     ],
 )

@@ -93,9 +93,12 @@ def _reserve(text: str) -> object:
     lowered = text.strip().lower().replace(" ", "")
     if lowered in ("off", "auto"):
         return lowered
-    found = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([a-z]*)", lowered)
+    found = re.fullmatch(r"([0-9]{1,15}(?:\.[0-9]{1,9})?)([a-z]*)", lowered)
     if found is None:
-        raise ValueError(f"must be {_SIZE_FORMS}")
+        raise ValueError(
+            f"must be {_SIZE_FORMS}, its number in ASCII digits with at most one point (no "
+            "exponent, sign or underscore, as every number option of the plugin)"
+        )
     number, unit = found.groups()
     if not unit:
         raise ValueError(f"a size needs its unit (2GiB, 512MiB; bytes as 2B): {_SIZE_FORMS}")
