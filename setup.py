@@ -26,11 +26,10 @@ setup(
     # No Paddle and no FastDeploy here: FastDeploy users already have paddlepaddle-gpu from
     # Paddle's own index, and pip must never replace it with a CPU wheel. (The PyPI project
     # named fastdeploy is unrelated to PaddlePaddle's FastDeploy.)
-    # pyzmq carries the ranks' agreement and msgspec types its messages; FastDeploy requires both
-    # on every release (zmq, msgspec in requirements.txt of 2.4 through develop), so they add
-    # nothing to a FastDeploy environment. pyzmq 24.0.1 with msgspec 0.18.0 are the oldest
-    # tested (tests/test_channel.py and tests/test_liveness.py pass with them).
-    install_requires=["tqdm", "pyzmq>=24", "msgspec>=0.18"],
+    # msgspec types what the ranks write in Paddle's job store; FastDeploy requires it on every
+    # release (requirements.txt of 2.4 through develop), so it adds nothing to a FastDeploy
+    # environment.
+    install_requires=["tqdm", "msgspec>=0.18"],
     extras_require={
         "test": ["pytest", "pytest-mock", "paddlepaddle==3.3.1", "ruff", "prometheus_client"],
         "demo": ["paddlepaddle==3.3.1"],

@@ -5,7 +5,8 @@ It launches the ranks with ``paddle.distributed.launch`` (gloo), each running Fa
 registration is a real ``all_gather_object`` over the TP group, as FastDeploy's is. Rounds
 alternate two arms in the same processes:
 
-* ``agreement``: the plugin as it ships: every agreement point goes through TP rank 0's server;
+* ``agreement``: the plugin as it ships: every agreement point goes through Paddle's job store
+  (``ranks/verdict.py``);
 * ``no agreement``: the same sessions with a link that answers at once without asking the other
   ranks, which is what capturing without agreement points costs (the session's one registration
   still synchronises the ranks, at its end);
@@ -17,7 +18,11 @@ The agreement's cost per session is ``agreement`` minus ``no agreement``, round 
 includes what the ranks wait for each other at each point (on 2 cores beside each other, the
 scheduler's skew between the ranks, which one collective at the end absorbs once).
 
-    python benchmarks/agreement.py [--rounds 7] [--ranks 2 4]
+``--against REV`` runs the benchmark of an earlier commit too (0.6.0's ZeroMQ channel:
+``--against 4dbd48f``), from ``git archive`` into a temporary folder, in the same run: figures of
+different runs on this machine do not compare.
+
+    python benchmarks/agreement.py [--rounds 7] [--ranks 2 4] [--against REV]
 """
 
 from __future__ import annotations
@@ -48,8 +53,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
     from fd_cudagraph_plugin import plugin
     from fd_cudagraph_plugin.core import process, runtime, session
-    from fd_cudagraph_plugin.core.ranks.link import Agreed
-    from fd_cudagraph_plugin.core.ranks.messages import Outcome
+    from fd_cudagraph_plugin.core.ranks.link import Agreed, Outcome
 
     dist.init_parallel_env()
     world, index = dist.get_world_size(), dist.get_rank()
@@ -62,12 +66,14 @@ def rank_main(args: argparse.Namespace) -> int:
         def __init__(self, rank: int, world: int) -> None:
             self.rank, self.world = rank, world
 
-        def next_epoch(self, timeout: float = 0.0) -> int:
-            return 0
+        def stop(self, point, label, status):
+            pass
 
-        def agree(self, label, status, timeout):
+        def agree(self, point, label, status, timeout):
+            everyone = range(self.world)
             return Agreed(
-                label, Outcome(key=(0, 0), statuses=dict.fromkeys(range(self.world), status))
+                label,
+                Outcome(point, dict.fromkeys(everyone, status), dict.fromkeys(everyone, label)),
             )
 
     real_link_for = session.link_for
@@ -78,8 +84,8 @@ def rank_main(args: argparse.Namespace) -> int:
         self.registers = False  # each graph registers at its capture, as FastDeploy's does
         return entered
 
-    # A worker joins its group's agreement once per process; that one-off start (a few round
-    # trips through Paddle's job store) is timed apart, and every round reuses the link.
+    # A worker opens its client to the job store once per process; that one-off start is timed
+    # apart, and every round reuses the link.
     state = process.reset_for_tests()
     started = time.perf_counter()
     real_link_for(make_config_for(world, index, group, make_config), _options())
@@ -93,7 +99,7 @@ def rank_main(args: argparse.Namespace) -> int:
     points = 0
     for _ in range(args.rounds):
         for arm in times:
-            process.reset_for_tests(close_links=False).links.update(links)
+            process.reset_for_tests().links.update(links)
             runtime.install_runtime(TestRuntime())
             communication._TP_AR = CustomAllreduce(group, initialized=True)
             session.link_for = (
@@ -138,12 +144,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--against", default=None, help="a commit whose benchmark runs too")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
         return rank_main(args)
-    return max(_measure(world, args.rounds) for world in args.ranks)
+    failed = 0
+    for world in args.ranks:
+        print("this checkout:")
+        failed = max(failed, _measure(world, args.rounds))
+        if args.against:
+            print(f"{args.against}:")
+            failed = max(failed, _earlier(args.against, world, args.rounds))
+    return failed
+
+
+def _earlier(revision: str, world: int, rounds: int) -> int:
+    """The benchmark of ``revision``, run from its own tree."""
+    with tempfile.TemporaryDirectory() as tree:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", revision], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+        script = Path(tree, "benchmarks", "agreement.py")
+        command = [sys.executable, str(script), "--rounds", str(rounds), "--ranks", str(world)]
+        env = {**os.environ, "PYTHONPATH": tree}
+        done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
+        print(done.stdout.rstrip())
+        if done.returncode:
+            print(done.stderr[-2000:])
+        return done.returncode
 
 
 def _measure(world: int, rounds: int) -> int:
@@ -151,6 +182,7 @@ def _measure(world: int, rounds: int) -> int:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "GLOG_minloglevel": "2",
         }
         command = [
             sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(world),

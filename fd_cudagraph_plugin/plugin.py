@@ -13,8 +13,7 @@ import os
 
 from fd_cudagraph_plugin.core import process, seam
 from fd_cudagraph_plugin.core.errors import ConfigError
-from fd_cudagraph_plugin.core.options import BY_ENV, OPTIONS, unknown_options
-from fd_cudagraph_plugin.core.ranks.join import listen_problem
+from fd_cudagraph_plugin.core.options import BY_ENV, OPTIONS, unknown_options, unused_options
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -38,9 +37,8 @@ def register() -> None:
         )
     state = process.current()
     options = state.options
-    problem = listen_problem(options.agreement_interface, options.agreement_ports, os.environ)
-    if problem is not None:
-        raise ConfigError(problem)
+    for note in unused_options(os.environ) if not state.announced else ():
+        logger.warning("%s", note)
     importlib.import_module(seam.BACKEND_MODULE)
     seam.log_to_worker_log()
     if options.backend == "native":

@@ -314,7 +314,7 @@ class PeerLink:
     """An agreement link for one process acting as ``rank`` of ``world``: the other ranks'
     statuses come from ``peer(rank, label, status)`` (by default the same as this rank's), as
     plain data (``{"payload": ..., "failure": ...}``, ``msgspec.to_builtins`` of a status), read
-    as strictly as the server reads a post."""
+    as strictly as a post read back from the job store."""
 
     def __init__(self, rank: int = 0, world: int = 2, peer=None) -> None:
         self.rank, self.world = rank, world
@@ -322,17 +322,16 @@ class PeerLink:
         self.labels: list[str] = []
         #: (label, this rank's status as JSON), per point.
         self.posted: list[tuple[str, dict]] = []
+        self.points: list[str] = []
 
-    def next_epoch(self, timeout: float = 0.0) -> int:
-        return 0
-
-    def agree(self, label, status, timeout):
+    def agree(self, point, label, status, timeout):
         import msgspec
 
-        from fd_cudagraph_plugin.core.ranks.link import Agreed
-        from fd_cudagraph_plugin.core.ranks.messages import Outcome, Status, malformed
+        from fd_cudagraph_plugin.core.ranks.link import Agreed, Outcome
+        from fd_cudagraph_plugin.core.ranks.messages import Status, malformed
 
         mine = msgspec.to_builtins(status)
+        self.points.append(point)
         self.labels.append(label)
         self.posted.append((label, mine))
         statuses = {}
@@ -342,7 +341,10 @@ class PeerLink:
                 statuses[r] = status if r == self.rank else msgspec.convert(peer, Status)
             except msgspec.ValidationError as error:
                 statuses[r] = malformed(r, label, str(error))
-        return Agreed(label, Outcome(key=(0, 0), statuses=statuses))
+        return Agreed(label, Outcome(point, statuses, dict.fromkeys(statuses, label)))
+
+    def stop(self, point, label, status):
+        pass
 
 
 def CaptureSessionForOneRank(config, phase: str = "decode"):

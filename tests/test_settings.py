@@ -159,10 +159,6 @@ def test_a_removed_option_stops_register_saying_it_was_removed_and_why(
         ("FD_CUDAGRAPH_RANK_TIMEOUT", "inf", "from 1 to 86400"),
         ("FD_CUDAGRAPH_STATS_INTERVAL", "1_0", "0 \\(off\\) or .* from 1 to 86400"),
         ("FD_CUDAGRAPH_CHECK_ADDRESSES", "sampled:\u0661\u0660", "1 <= N <= 1000000"),
-        ("FD_CUDAGRAPH_AGREEMENT_PORTS", "\u0662\u0669\u0665\u0660\u0660", "ASCII digits"),
-        ("FD_CUDAGRAPH_AGREEMENT_PORTS", "29510-29500", "from 1024 to 65535"),
-        ("FD_CUDAGRAPH_AGREEMENT_PORTS", "80", "from 1024 to 65535"),
-        ("FD_CUDAGRAPH_AGREEMENT_INTERFACE", "eth0; rm", "an IP address"),
     ],
 )
 def test_numeric_options_are_range_checked(monkeypatch, env, value, message):

@@ -12,7 +12,7 @@ and ``seconds``. A rank exits 0 once every scenario has run, whatever the outcom
 
 Every scenario is a fresh worker: a new simulated runtime, a new custom all-reduce whose
 registration is a real ``all_gather_object`` over the TP group (as FastDeploy's), and its own
-namespace in the job's store for the plugin's agreement channel. A scenario named ``name@R``
+namespace in the job's store for the plugin's agreement. A scenario named ``name@R``
 injects its fault on rank R only.
 """
 
@@ -330,6 +330,48 @@ def fails_between_backend_calls(rank: Rank) -> dict[str, Any]:
     return _facts(capture(config, runner_cls=SamplerFails))
 
 
+def _after_the_last_size(rank: Rank, raising: Callable[[], None]) -> dict[str, Any]:
+    """FastDeploy's runner raises on the faulty rank after the last size's backend step (1),
+    outside any backend call: the healthy rank must not enter the session's one registration,
+    an all_gather_object the faulty rank will never join."""
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin.core import process
+
+    class FailsAfterTheLastSize(GPUModelRunner):
+        def _run(self, num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids=None):
+            out = super()._run(num_tokens, seq_lens, exist_prefill, use_graph, real_bsz, dummy, ids)
+            if rank.faulty and process.current().session is not None and num_tokens == 1:
+                raising()
+            return out
+
+    from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
+
+    config = tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])
+    try:
+        facts = _facts(capture(config, runner_cls=FailsAfterTheLastSize))
+    except KeyboardInterrupt:
+        facts = {"interrupted": True}
+    except CudaGraphPluginError as error:
+        facts = {"outcome": type(error).__name__, "message": str(error)}
+    except Exception as error:
+        facts = {"outcome": f"other:{type(error).__name__}", "message": str(error)}
+    return {**facts, "registrations": _ar().registrations}
+
+
+@scenario("runner-fails-after-the-last-size")
+def runner_fails_after_the_last_size(rank: Rank) -> dict[str, Any]:
+    def fail() -> None:
+        raise RuntimeError("sampler: CUDA error(700): an illegal memory access")
+
+    return _after_the_last_size(rank, fail)
+
+
+@scenario("runner-interrupted-after-the-last-size")
+def runner_interrupted_after_the_last_size(rank: Rank) -> dict[str, Any]:
+    return _after_the_last_size(rank, _interrupt)
+
+
 @scenario("kv-record-missing")
 def kv_record_missing(rank: Rank) -> dict[str, Any]:
     """FD_CUDAGRAPH_KV_RESERVE=auto at a second start where the faulty rank's record is gone (a
@@ -361,7 +403,11 @@ def kv_record_missing(rank: Rank) -> dict[str, Any]:
         _env("FD_CUDAGRAPH_RANK_TIMEOUT", "5"),
     ):
         start()
-        _fresh_worker(rank, "kv-record-missing-second-start")
+        from fd_cudagraph_plugin.core import process
+
+        # A new worker of the same scenario: its own keys in the job's store.
+        prefix = process.current().link_prefix.rpartition("/")[2]
+        _fresh_worker(rank, f"{prefix}-second-start")
         if rank.faulty:
             os.remove(reserve.Record.for_rank(log_dir, 0, rank.index).path)
         backend = start()
@@ -385,17 +431,6 @@ def less_free_memory(rank: Rank) -> dict[str, Any]:
     return {**_facts(backend), "summary": backend.capture_report.summary()}
 
 
-def _over_tcp(name: str) -> None:
-    """The same scenario with the channel on TCP (as across hosts): the endpoint and token go
-    through Paddle's real job store, the token through ZeroMQ's handshake."""
-    base = SCENARIOS[name]
-
-    @scenario(f"{name}-tcp")
-    def over_tcp(rank: Rank) -> dict[str, Any]:
-        with _env("FD_CUDAGRAPH_AGREEMENT_INTERFACE", "127.0.0.1"):
-            return base(rank)
-
-
 @scenario("never-joins")
 def never_joins(rank: Rank) -> dict[str, Any]:
     """The faulty rank never starts capture_model() (it died, or runs without the plugin)."""
@@ -403,10 +438,6 @@ def never_joins(rank: Rank) -> dict[str, Any]:
         return {"skipped": True}
     with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "3"):
         return _facts(capture(tp_config(rank, cudagraph_capture_sizes=[8, 4, 2, 1])))
-
-
-for _name in ("equal-plans", "capture-oom", "never-joins"):
-    _over_tcp(_name)
 
 
 # ------------------------------------------------------------------- memory that moves (issue 30)
@@ -608,6 +639,95 @@ def interrupted_on_one_rank(rank: Rank) -> dict[str, Any]:
             del manager.update_weights_by_rdma
         again = _attempt(lambda: worker.update_weights(version="v3"))
         return {"first": first, "again": again, "then": _served(runner, backend)}
+
+
+def _storm(rank: Rank, calls: Callable[[Any, Any], list[Callable[[], object]]]) -> dict[str, Any]:
+    """SIGINT at random moments on the faulty rank while it is inside a lifecycle call (in
+    FastDeploy's code or the plugin's, at a point or between two), for each call of ``calls``;
+    then one more call, and one after it."""
+    import random
+    import signal
+    import threading
+
+    with _env("FD_CUDAGRAPH_RANK_TIMEOUT", "5"):
+        runner, worker, backend = _serving(rank)
+        inside = threading.Event()
+        stop = threading.Event()
+        chance = random.Random(1000 + rank.index)
+
+        def interrupter() -> None:
+            while not stop.is_set():
+                if inside.wait(0.05) and not stop.is_set():
+                    time.sleep(chance.uniform(0, 0.004))
+                    if inside.is_set():
+                        os.kill(os.getpid(), signal.SIGINT)
+                        inside.clear()
+
+        manager = runner.dynamic_weight_manager
+        original = type(manager).update_weights_by_rdma
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            if rank.faulty:
+                inside.set()
+            return original(manager, *args, **kwargs)
+
+        manager.update_weights_by_rdma = update
+        reinitialise = runner.initialize_kv_cache
+
+        def wake(*args: Any, **kwargs: Any) -> Any:
+            if rank.faulty:
+                inside.set()
+            return reinitialise(*args, **kwargs)
+
+        runner.initialize_kv_cache = wake
+        thread = threading.Thread(target=interrupter, daemon=True)
+        thread.start()
+        outcomes = []
+        for call in calls(runner, worker):
+            try:
+                outcomes.append(_attempt(call))
+            except KeyboardInterrupt:
+                outcomes.append("KeyboardInterrupt")
+            inside.clear()
+        stop.set()
+        thread.join()
+        del manager.update_weights_by_rdma
+        runner.initialize_kv_cache = reinitialise
+        one_more = _attempt(lambda: worker.update_weights(version="last"))
+        then = _attempt(lambda: worker.update_weights(version="after-last"))
+        return {
+            "storm": outcomes,
+            "one_more": one_more,
+            "then": then,
+            "served": _served(runner, backend),
+        }
+
+
+@scenario("interrupt-storm-updates")
+def interrupt_storm_updates(rank: Rank) -> dict[str, Any]:
+    """Eight weight updates; the faulty rank is interrupted inside them."""
+    return _storm(
+        rank,
+        lambda runner, worker: [
+            (lambda i=i: worker.update_weights(version=f"v{i}")) for i in range(8)
+        ],
+    )
+
+
+@scenario("interrupt-storm-sleep-wake")
+def interrupt_storm_sleep_wake(rank: Rank) -> dict[str, Any]:
+    """Four sleep/wake-up pairs, each wake-up recapturing, and a weight update between them;
+    the faulty rank is interrupted inside the updates and the wake-ups."""
+
+    def calls(runner: Any, worker: Any) -> list[Callable[[], object]]:
+        out: list[Callable[[], object]] = []
+        for i in range(4):
+            out.append(lambda: worker.sleep(tags="kv_cache"))
+            out.append(lambda: (worker.wakeup(tags="kv_cache"), prefill_caches(runner)))
+            out.append(lambda i=i: worker.update_weights(version=f"w{i}"))
+        return out
+
+    return _storm(rank, calls)
 
 
 def _interrupt(*args: Any, **kwargs: Any) -> None:

@@ -267,8 +267,8 @@ def role(backend) -> str | None:
     return getattr(backend, "role", None)
 
 
-#: The module each distribution the plugin requires is imported as.
-_MODULE = {"pyzmq": "zmq"}
+#: The module each distribution the plugin requires is imported as, where the names differ.
+_MODULE: dict[str, str] = {}
 
 
 def requirements(root: str) -> dict[str, str]:

@@ -34,7 +34,7 @@ from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, ConfigError
 from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, GraphEntry, GraphTable, Step
 from fd_cudagraph_plugin.core.mode import Mode
-from fd_cudagraph_plugin.core.ranks.agreement import Agreement, solo
+from fd_cudagraph_plugin.core.ranks.agreement import Agreement, release_held, solo
 from fd_cudagraph_plugin.core.ranks.messages import text
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
@@ -124,6 +124,13 @@ class CudaGraphBackend:
         if step.action == VERIFY:
             verified = self._first_replay(self, entry, kwargs)
             step = step.replay() if verified else step.eager("memory_moved")
+            self.dispatcher.count(step, tokens)
+            if step.action == REPLAY:
+                out = self._replay(entry, kwargs)
+            else:
+                out = self._eager(step, tokens, kwargs)
+            release_held()  # held at the point: raised once this step ran here as everywhere
+            return out
         self.dispatcher.count(step, tokens)
         if step.action == REPLAY:
             return self._replay(entry, kwargs)
@@ -286,6 +293,11 @@ class CudaGraphBackend:
         self._session = None
         if report is not None:
             self.capture_report = report
+        else:
+            # The failed session's graphs were discarded: the next session captures in the plan's
+            # order from the graphs still held (an interrupted recapture left the order midway).
+            held = sum(1 for e in self.table.decode.values() if e.captured and not e.key.static)
+            self.capturer.rewind(held)
         self.dispatcher.in_session(False)
 
     # ------------------------------------------------------------------ what the lifecycle asks

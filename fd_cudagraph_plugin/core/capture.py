@@ -77,6 +77,11 @@ class Capturer:
         self._next = 0
         self._dot_unsupported_logged = False
 
+    def rewind(self, held: int) -> None:
+        """The next ordered decode capture is the plan's ``held``-th: the graphs after it were
+        discarded."""
+        self._next = min(self._next, held)
+
     def reset(self) -> None:
         """Forget the captures since the last clear (the caller released the graphs)."""
         self._next = 0

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from fd_cudagraph_plugin.core import moved, process, seam
-from fd_cudagraph_plugin.core.ranks.agreement import outside_session
+from fd_cudagraph_plugin.core.ranks.agreement import outside_session, release_held
 from fd_cudagraph_plugin.core.ranks.messages import Moved, text
 
 logger = logging.getLogger("fd_cudagraph_plugin")
@@ -74,6 +74,11 @@ class Lifecycle:
         #: Lifecycle calls running now (a wake-up may call another): only the outermost one's
         #: end is checked.
         self.depth = 0
+        #: Outermost calls begun in this process, counted as each begins: with the sessions begun
+        #: since (``sessions``), what names the agreement points every rank derives alike. An
+        #: interrupt cannot shift it: it is counted before anything that can fail.
+        self.calls = 0
+        self.sessions = 0
         #: The call after which the graphs were released for memory that moved, until they are
         #: captured again; and whether prefill graphs were among them.
         self.released_after: str | None = None
@@ -90,6 +95,8 @@ class Lifecycle:
         """``method`` (a runner's lifecycle call, or the worker's start-up), then ``after`` when
         the outermost such call ends; a call that raised, an interrupt too, is posted like any
         failure, so that every rank meets its point."""
+        if self.depth == 0:
+            self.calls, self.sessions = self.calls + 1, 0
         self.depth += 1
         try:
             result = method(owner, *args, **kwargs)
@@ -101,7 +108,18 @@ class Lifecycle:
         self.depth -= 1
         if self.depth == 0:
             self.after(event, _runner_of(owner), servable)
+            release_held()
         return result
+
+    def scope(self, name: str) -> str:
+        """The name of a point outside sessions, since the last call began (``name`` says which:
+        the check after it, or a graph's first replay)."""
+        return f"c{self.calls}.{name}"
+
+    def session_scope(self) -> str:
+        """The name of the next capture session's points."""
+        self.sessions += 1
+        return f"c{self.calls}.s{self.sessions}"
 
     def after(
         self, event: str, runner: Any, servable: bool, failed: BaseException | None = None
@@ -130,7 +148,8 @@ class Lifecycle:
             return Moved(names=names, can_serve=servable and seam.can_serve(runner))
 
         try:
-            points = outside_session(getattr(runner, "fd_config", None) or backends[0].fd_config)
+            config = getattr(runner, "fd_config", None) or backends[0].fd_config
+            points = outside_session(config, self.scope("after"))
             said = points.share(f"after {event}", None, None, local, Moved)
         except BaseException:
             # What the call moved before it failed is unknown: no graph stays to replay it.
@@ -183,8 +202,11 @@ class Lifecycle:
         from fd_cudagraph_plugin.core.errors import CaptureError
 
         local = guards.moved_inputs(entry.addresses, kwargs)
+        index = process.current().backends().index(backend)
         try:
-            points = outside_session(backend.fd_config)
+            key = entry.key
+            name = f"b{index}.{key.phase}{key.size}{'.static' if key.static else ''}"
+            points = outside_session(backend.fd_config, self.scope(name))
             said = points.share("inputs in place", backend, entry.key, lambda: not local, bool)
         except CaptureError as error:
             why = f"the ranks could not agree on its inputs ({error})"

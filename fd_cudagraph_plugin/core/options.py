@@ -206,37 +206,6 @@ def rank_zero_path(template: str) -> str:
 PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
 
 
-_INTERFACE = re.compile(r"[A-Za-z0-9._:%-]{1,64}")
-
-
-def _interface(text: str) -> str:
-    """``auto``, or where TP rank 0 listens: an IP address or a network interface name."""
-    if text.lower() == "auto":
-        return "auto"
-    if not _INTERFACE.fullmatch(text) or not text.isascii():
-        raise ValueError(
-            "must be auto, an IP address of TP rank 0's host (10.0.0.5) or a network interface "
-            "name (eth0), in ASCII letters, digits and . : - _ (at most 64)"
-        )
-    return text
-
-
-def _ports(text: str) -> tuple[int, int] | None:
-    """``auto`` (the kernel's choice) -> None; ``N`` or ``N-M`` -> (N, M)."""
-    if text.lower() == "auto":
-        return None
-    low, dash, high = text.partition("-")
-    high = high if dash else low
-    if not (_ascii_digits(low) and _ascii_digits(high)):
-        raise ValueError("must be auto, a port (29500) or a range (29500-29509), in ASCII digits")
-    first, last = int(low), int(high)
-    if not 1024 <= first <= last <= 65535:
-        raise ValueError(
-            "must be auto or ports from 1024 to 65535, a range written low-high (29500-29509)"
-        )
-    return first, last
-
-
 def _ascii_digits(text: str) -> bool:
     """Decimal digits as an operator types them: ``isdigit()`` also takes Arabic-Indic digits
     and superscripts, which ``int()`` reads (or refuses) differently."""
@@ -286,23 +255,6 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds a tensor-parallel rank waits at a capture agreement point for the others before "
         "it stops with an error naming the ranks that never came.",
         _timeout,
-    ),
-    Option(
-        "FD_CUDAGRAPH_AGREEMENT_INTERFACE",
-        "auto",
-        (),
-        "Where TP rank 0 listens for the ranks' agreement: `auto` (a Unix socket when the group "
-        "is on one host, else TCP on rank 0's node address), or an IP address or interface name "
-        "of rank 0's host (TCP, also on one host).",
-        _interface,
-    ),
-    Option(
-        "FD_CUDAGRAPH_AGREEMENT_PORTS",
-        "auto",
-        (),
-        "The TCP port of the ranks' agreement on TP rank 0: `auto` (the kernel's choice), a port "
-        "(`29500`) or a range (`29500-29509`) for a firewall. Setting it makes the channel TCP.",
-        _ports,
     ),
     Option(
         "FD_CUDAGRAPH_KV_RESERVE",
@@ -390,6 +342,31 @@ REMOVED: dict[str, tuple[str, str]] = {
     ),
 }
 
+#: Options that earlier versions had and that now do nothing, with why. Setting one is logged at
+#: start-up and reported by ``doctor``, never refused: a deployment that set it keeps starting.
+UNUSED: dict[str, tuple[str, str]] = {
+    "FD_CUDAGRAPH_AGREEMENT_INTERFACE": (
+        "0.7",
+        "the ranks agree through Paddle's job store, which every worker already reaches; the "
+        "plugin listens on no address of its own",
+    ),
+    "FD_CUDAGRAPH_AGREEMENT_PORTS": (
+        "0.7",
+        "the ranks agree through Paddle's job store, which every worker already reaches; the "
+        "plugin opens no port of its own",
+    ),
+}
+
+
+def unused_options(environ: Mapping[str, str]) -> list[str]:
+    """What to say of each option set in ``environ`` that no longer does anything."""
+    return [
+        f"{env} is no longer used since fd-cudagraph-plugin {version}: {why}. Unset it."
+        for env, (version, why) in UNUSED.items()
+        if environ.get(env, "").strip()
+    ]
+
+
 #: Values of options that remain, removed with why.
 REMOVED_VALUES: dict[tuple[str, str], str] = {
     ("FD_CUDAGRAPH_POOL", "device"): (
@@ -407,7 +384,9 @@ def unknown_options(environ: Mapping[str, str]) -> list[str]:
     known = [option.env for option in OPTIONS]
     # A removed option is no typo: removed_option_error() names it.
     unknown = sorted(
-        k for k in environ if k.startswith(OPTION_PREFIX) and k not in known and k not in REMOVED
+        k
+        for k in environ
+        if k.startswith(OPTION_PREFIX) and k not in known and k not in REMOVED and k not in UNUSED
     )
     hints = []
     for env in unknown:
@@ -466,8 +445,6 @@ class PluginOptions:
     pool: str
     pool_set: bool
     rank_timeout: float
-    agreement_interface: str
-    agreement_ports: tuple[int, int] | None
     kv_reserve: object
     check_addresses: int
     self_check: str
@@ -493,8 +470,6 @@ class PluginOptions:
             pool=get("POOL"),
             pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
             rank_timeout=get("RANK_TIMEOUT"),
-            agreement_interface=get("AGREEMENT_INTERFACE"),
-            agreement_ports=get("AGREEMENT_PORTS"),
             kv_reserve=get("KV_RESERVE"),
             check_addresses=get("CHECK_ADDRESSES"),
             self_check=get("SELF_CHECK"),

@@ -24,7 +24,7 @@ class OpenSession(Protocol):
 
 
 class Link(Protocol):
-    """A link to the group's agreement (``ranks.link``), as the process keeps it."""
+    """A link to the group's agreement (``ranks.link.StoreLink``), as the process keeps it."""
 
     rank: int
     world: int
@@ -46,11 +46,15 @@ class WorkerProcess:
         #: Sessions that have ended in this process: once one has, a size first seen later runs
         #: eagerly (a capture on one rank alone hangs tensor parallelism).
         self.sessions_ended = 0
-        #: This process's links to its tensor-parallel group's agreement server, by name.
+        #: This process's links to its tensor-parallel group's agreement, by name.
         self.links: dict[str, Link] = {}
-        #: Names of agreement channels in Paddle's job store start with this (tests, which run
-        #: several "workers" one after another in one job, give each its own).
-        self.link_prefix = "fd-cudagraph/v4"
+        #: Keys of the agreement in Paddle's job store start with this (tests, which run several
+        #: "workers" one after another in one job, give each its own).
+        self.link_prefix = "fd-cudagraph/v5"
+        #: An interrupt that reached this process at an agreement point every rank completed:
+        #: posted at its next point, or raised when the plugin hands control back (written by
+        #: ranks/agreement.py only).
+        self.held_interrupt: BaseException | None = None
         self.outputs = OutputFailures()
         #: FD_CUDAGRAPH_KV_RESERVE's state, a ``reserve.KvReserve`` (only reserve.py reads or
         #: writes it).
@@ -94,13 +98,8 @@ def current() -> WorkerProcess:
     return _process
 
 
-def reset_for_tests(close_links: bool = True) -> WorkerProcess:
-    """Start afresh, as a new worker process would: no backends, no session, options unread.
-    The old links are closed (their server threads end) unless the caller keeps them."""
+def reset_for_tests() -> WorkerProcess:
+    """Start afresh, as a new worker process would: no backends, no session, options unread."""
     global _process
-    for link in _process.links.values() if close_links else ():
-        close = getattr(link, "close", None)
-        if close is not None:
-            close()
     _process = WorkerProcess()
     return _process

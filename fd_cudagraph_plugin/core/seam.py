@@ -456,14 +456,3 @@ def clear_ipc_handles() -> None:
     communication = import_or_none("fastdeploy.distributed.communication")
     if communication is not None:
         communication.custom_ar_clear_ipc_handles()
-
-
-# ------------------------------------------------------------------------ the job's store
-
-
-def job_store() -> Any:
-    """Paddle's TCP store of the job (``fleet.init`` -> ``init_parallel_env`` creates it in every
-    FastDeploy worker; Paddle's launcher says where it is)."""
-    from paddle.base import core
-
-    return core.create_or_get_global_tcp_store()

@@ -43,6 +43,7 @@ from fd_cudagraph_plugin.core.ranks.agreement import (
     for_session,
     forget_locals,
     link_for,
+    release_held,
 )
 from fd_cudagraph_plugin.core.ranks.link import Link
 from fd_cudagraph_plugin.core.ranks.messages import PlanPayload, RankMemory
@@ -379,7 +380,8 @@ class CaptureSession:
         try:
             link = self._link or link_for(self.fd_config, self.options)
             self.report = CaptureReport(self.phase, link.rank, self.reserve)
-            self.agreement = for_session(link, self.options, self.report)
+            scope = lifecycle.state().session_scope()
+            self.agreement = for_session(link, self.options, self.report, scope)
             self.registers = seam.custom_allreduce() is not None
             self._progress = Progress(link.rank == 0, self.process.outputs)
             self.process.session = self
@@ -460,12 +462,16 @@ class CaptureSession:
 
     def _register(self) -> None:
         """Register the all-reduce buffers of every graph of the session at once (one collective
-        over the TP group, entered only now that every rank has agreed every capture; FastDeploy
-        keeps them all until then, as vLLM registers once per session), publish them, then
-        self-check them (a replay each) at one point."""
+        over the TP group, entered only once every rank has said its capture loop ended well:
+        FastDeploy keeps them all until then, as vLLM registers once per session), publish them,
+        then self-check them (a replay each) at one point."""
         pending, self._unregistered = self._unregistered, []
         if not pending:
             return
+        if self.registers:
+            # FastDeploy's own code may still fail on a rank after the last backend step: no rank
+            # enters the registration's all_gather_object before every rank said it did not.
+            self.agreement.run("capture loop", None, None, lambda: None)
         register(self.agreement, None, None)
         for member, entry, _ in pending:
             member.publish(entry)
@@ -533,10 +539,12 @@ class CaptureSession:
                 )
                 if all(shared):
                     self.report.memory = shared
-            elif isinstance(exc, Exception):
+            else:
+                # An interrupt too: posted at this rank's next point, so that the others stop
+                # there at once instead of waiting out their timeout.
                 forget_locals(exc)
                 agreed = agreement.failure or agreement.fail("capture loop", exc)
-                if agreed is not exc:
+                if agreed is not exc and isinstance(exc, Exception):
                     # FastDeploy's capture_model() rewraps errors that mention "out of memory";
                     # every rank raises the agreed error itself, with the same text.
                     agreed.__suppress_context__ = True
@@ -547,6 +555,7 @@ class CaptureSession:
         self._close(failed=exc_type is not None)
         if exc_type is None:
             self._finish()
+            release_held()
 
     def _close(self, failed: bool) -> None:
         for member, entry, _ in self._unregistered:  # never registered: they never serve

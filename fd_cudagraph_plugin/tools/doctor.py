@@ -22,13 +22,14 @@ from fd_cudagraph_plugin.core.options import (
     OPTION_PREFIX,
     OPTIONS,
     PATH_OPTIONS,
+    UNUSED,
     describe,
     rank_zero_path,
     read_option,
     removed_option_error,
     unknown_options,
+    unused_options,
 )
-from fd_cudagraph_plugin.core.ranks.join import listen_problem
 from fd_cudagraph_plugin.core.seam import BACKEND_MODULE as _BACKEND_MODULE
 from fd_cudagraph_plugin.core.seam import BACKEND_NAME as _NAME
 from fd_cudagraph_plugin.core.seam import constructor_shape, cuda_runtime_blocker
@@ -381,12 +382,6 @@ def check_options(environ: Mapping[str, str], earlier: Earlier | None = None) ->
             values[option.env] = read_option(option.env, environ)
         except ConfigError as error:
             errors.append(str(error))
-    interface = values.get("FD_CUDAGRAPH_AGREEMENT_INTERFACE")
-    if interface is not None and "FD_CUDAGRAPH_AGREEMENT_PORTS" in values:
-        # What register() refuses on this host: where the ranks could not agree.
-        problem = listen_problem(interface, values["FD_CUDAGRAPH_AGREEMENT_PORTS"], environ)
-        if problem is not None:
-            errors.append(f"{problem}.")
     fixes = []
     if values.get("FD_CUDAGRAPH_RUNTIME") == "simulated":
         errors.append(f"{SIMULATED}.")
@@ -401,7 +396,8 @@ def check_options(environ: Mapping[str, str], earlier: Earlier | None = None) ->
     detail = ", ".join(_as_read(env, environ[env].strip(), values[env]) for env in set_here)
     detail = f"{detail}; the other {defaults}" if set_here else f"all {defaults}"
     detail += " at their defaults"
-    caveats = []
+    caveats = [note.removesuffix(". Unset it.") for note in unused_options(environ)]
+    fixes += [f"unset {env}." for env in UNUSED if environ.get(env, "").strip()]
     if values.get("FD_CUDAGRAPH_BACKEND") == "native":
         caveats.append("the plugin loads but FastDeploy keeps its own backend")
         fixes.append("unset FD_CUDAGRAPH_BACKEND to use the plugin's.")

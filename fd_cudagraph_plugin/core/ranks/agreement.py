@@ -3,25 +3,28 @@ points.
 
 **Opening points.** Every point goes through an ``Agreement`` made here: ``for_session`` (a capture
 session's), ``outside_session`` (after a lifecycle call, or at a graph's first replay after one)
-and ``solo`` (a backend used alone, TP = 1). A session's points are fixed by its code. A point
-outside a session must be met by every rank in the same order, from code every rank runs alike:
-FastDeploy sends every lifecycle call to every worker, and every rank serves the same steps; each
-such point is a session of its own (``Link.next_epoch``), so ranks that lost step there meet
-again at the next one.
+and ``solo`` (a backend used alone, TP = 1). Every point has a name every rank derives alike: the
+scope its caller gives (what the call or session is, and its place in FastDeploy's sequence of
+calls, ``lifecycle.py``) and its number in that scope, which the scope's code fixes. So a point
+pairs only with the same point of the same call on every rank, and ranks that lost step meet again
+at the next scope.
 
 The points, and what each comes before, are docs/design.md's table ("Tensor parallelism"). A rank
 whose step failed still posts, and every rank raises the error built from all ranks' statuses
-(``agreed_error``), so the message is the same on every rank.
+(``agreed_error``), so the message is the same on every rank. An interrupt is posted like any
+failure; one that reaches a rank while it waits at a point that then completes is held, posted at
+its next point, and raised there or when the plugin hands control back (``release_held``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from fd_cudagraph_plugin.core import process, seam
+from fd_cudagraph_plugin.core import process
 from fd_cudagraph_plugin.core.errors import (
     CaptureError,
     CudaGraphPluginError,
@@ -30,9 +33,9 @@ from fd_cudagraph_plugin.core.errors import (
 )
 from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.options import PluginOptions
-from fd_cudagraph_plugin.core.ranks import join
-from fd_cudagraph_plugin.core.ranks.link import Agreed, JoinError, Link, LocalLink
-from fd_cudagraph_plugin.core.ranks.messages import MAX_TEXT, Failure, Outcome, Status, text
+from fd_cudagraph_plugin.core.ranks.link import Agreed, Link, LocalLink, Outcome, StoreLink
+from fd_cudagraph_plugin.core.ranks.messages import MAX_RANKS, MAX_TEXT, Failure, Status, text
+from fd_cudagraph_plugin.core.ranks.store import JobStore, StoreError, master_address
 from fd_cudagraph_plugin.core.settings import read_ranks
 
 T = TypeVar("T")
@@ -84,57 +87,58 @@ class Report(Protocol):
 
 
 def link_for(fd_config: Any, options: PluginOptions) -> Link:
-    """This process's link to its tensor-parallel group's agreement channel (joined once)."""
+    """This process's link to its tensor-parallel group's agreement (made once)."""
     ranks = read_ranks(fd_config)
     if ranks.tp_size <= 1:
         return LocalLink()
-    worker = process.current()
     group = list(ranks.tp_group)
+    if ranks.tp_size > MAX_RANKS:
+        raise CaptureError(
+            f"a tensor-parallel group of {ranks.tp_size} ranks: fd-cudagraph-plugin agrees "
+            f"groups of at most {MAX_RANKS}; serve without the plugin (unset FD_PLUGINS).",
+            stage="agreement",
+        )
+    worker = process.current()
     name = f"{worker.link_prefix}/{'-'.join(str(r) for r in group)}"
     link = worker.links.get(name)
     if link is None:
-        started = time.monotonic()
-        address = join.address_for(group, options.agreement_interface, options.agreement_ports)
         try:
-            link = join.join(
-                seam.job_store, name, address, ranks.tp_rank, ranks.tp_size, options.rank_timeout
-            )
-        except join.ServerNotStarted as error:
-            raise CaptureError(
-                f"tensor-parallel rank 0 of the group of ranks {group} could not start the CUDA "
-                f"graph agreement server: {error}.",
-                stage="agreement",
-            ) from error
-        except (JoinError, OSError) as error:
+            host, port = master_address(os.environ)
+            store = JobStore(host, port, options.rank_timeout)
+        except StoreError as error:
             raise RankTimeoutError(
-                f"tensor-parallel rank {ranks.tp_rank} could not join its group's CUDA graph "
-                f"agreement (ranks {group}; waited {time.monotonic() - started:.3g} s of at most "
-                f"{options.rank_timeout:g} s, FD_CUDAGRAPH_RANK_TIMEOUT): {error}. Every worker "
-                f"of the group must run fd-cudagraph-plugin (FD_PLUGINS) and start "
-                f"capture_model(); see rank 0's log if it stopped.",
+                f"tensor-parallel rank {ranks.tp_rank} cannot reach Paddle's job store, where its "
+                f"group's ranks agree (ranks {group}): {error}. Every worker of a tensor-parallel "
+                f"job has it (paddle.distributed's init_parallel_env); restart the job.",
                 stage="agreement",
             ) from error
-        worker.links[name] = link
+        link = worker.links[name] = StoreLink(store, name, ranks.tp_rank, ranks.tp_size)
     return link
 
 
-def for_session(link: Link, options: PluginOptions, report: Report) -> Agreement:
-    """The points of one capture session: a new epoch of ``link``."""
-    link.next_epoch(options.rank_timeout)
-    return Agreement(link, options.rank_timeout, report)
+def for_session(link: Link, options: PluginOptions, report: Report, scope: str) -> Agreement:
+    """The points of one capture session, named under ``scope``."""
+    return Agreement(link, options.rank_timeout, report, scope)
 
 
-def outside_session(fd_config: Any) -> Agreement:
-    """One point outside a capture session, in an epoch of its own (see the module's doc)."""
+def outside_session(fd_config: Any, scope: str) -> Agreement:
+    """One point outside a capture session, named ``scope`` (see the module's doc)."""
     options = process.current().options
-    link = link_for(fd_config, options)
-    link.next_epoch(options.rank_timeout)
-    return Agreement(link, options.rank_timeout, None)
+    return Agreement(link_for(fd_config, options), options.rank_timeout, None, scope)
 
 
 def solo(timeout: float) -> Agreement:
     """Points for a backend used outside any session (TP = 1 only): it agrees with itself."""
-    return Agreement(LocalLink(), timeout, None)
+    return Agreement(LocalLink(), timeout, None, "solo")
+
+
+def release_held() -> None:
+    """Raise the interrupt this process held at a point that completed, if no later point has
+    posted it: the plugin hands control back to FastDeploy here."""
+    worker = process.current()
+    held, worker.held_interrupt = worker.held_interrupt, None
+    if held is not None:
+        raise held
 
 
 # ----------------------------------------------------------------------------- the points
@@ -150,10 +154,12 @@ class Agreement:
     ``failure`` is the agreed failure that stopped this session, written here only: every later
     point re-raises it."""
 
-    def __init__(self, link: Link, timeout: float, report: Report | None) -> None:
+    def __init__(self, link: Link, timeout: float, report: Report | None, scope: str) -> None:
         self.link = link
         self.timeout = timeout
         self.report = report
+        self.scope = scope
+        self.points = 0
         self.failure: CaptureError | None = None
 
     @property
@@ -212,8 +218,12 @@ class Agreement:
         if self.failure is not None:
             raise self.failure
         where = str(key) if key is not None else ""
-        local: BaseException | None = None
+        worker = process.current()
+        local: BaseException | None = worker.held_interrupt
+        worker.held_interrupt = None
         try:
+            if local is not None:
+                raise local  # held at an earlier point: posted here, before anything runs
             result = fn()
             status = Status(payload=result) if kind is not None else Status()
         except BaseException as error:
@@ -230,22 +240,38 @@ class Agreement:
         label = f"{stage} {where}".strip()
         if participant is not None:
             label += f" ({participant.role})"
+        point = f"{self.scope}.{self.points}"
+        self.points += 1
+        if status.failure is not None:
+            # The others stop at whichever point of this call they wait at, reading why.
+            self.link.stop(point, label, status)
         started = time.perf_counter()
-        agreed = self.link.agree(label, status, self.timeout)
+        agreed = self.link.agree(point, label, status, self.timeout)
         if self.report is not None:
             self.report.agreement_seconds += time.perf_counter() - started
             self.report.agreement_points += 1
+        if agreed.interrupted and local is None:
+            local = KeyboardInterrupt()
         error = agreed_error(agreed, self.world, self.timeout)
         if error is None and kind is not None:
             error = _unreadable(agreed, label, kind)
         if error is not None:
             error.agreed = True
             self.failure = error
+            if status.failure is None:  # this rank leaves the call too: the others need not wait
+                why = failure_of(
+                    "agreement", where, _mode(participant, key, stage), self.rank, error
+                )
+                self.link.stop(point, label, Status(failure=why))
             if local is not None and not isinstance(local, Exception):
                 raise local  # an interrupt stays an interrupt; the others raise the agreed error
             if local is not None:
                 raise error from local
             raise error
+        if local is not None:
+            # Interrupted while waiting at a point every rank completed: the others go on to
+            # what follows it, so this rank does too and posts the interrupt at its next point.
+            worker.held_interrupt = local
         return agreed.shared() if kind is not None else None
 
 
@@ -283,8 +309,8 @@ def failure_of(
 
 def agreed_error(agreed: Agreed, world: int, timeout: float) -> CaptureError | None:
     """The error every rank raises for ``agreed``, or None when every rank is fine. Built only
-    from the outcome, which the server gives every rank alike, so the text is the same on every
-    rank (the rank that raises it is in its worker log's name)."""
+    from the outcome, which every rank reads alike from the store, so the text is the same on
+    every rank (the rank that raises it is in its worker log's name)."""
     if agreed.channel_failure:
         return CaptureError(
             f"The CUDA graph agreement of the tensor-parallel ranks failed at "
@@ -295,24 +321,30 @@ def agreed_error(agreed: Agreed, world: int, timeout: float) -> CaptureError | N
     outcome = agreed.outcome
     failures = agreed.failures
     missing = [r for r in outcome.missing if r not in failures]
-    # A rank that failed between points posts under its own label: only without a failure do
-    # different labels at one point mean the ranks lost step.
+    if outcome.stopped:  # a rank left the call: the others gave up at once, at fault or not
+        missing = [r for r in missing if r in outcome.stopped]
+    # Different labels at one point mean the ranks' code differs, unless a rank failed between
+    # points (it posts under its own label).
     apart = not failures and len(set(outcome.labels.values())) > 1
-    if not failures and not missing and not outcome.gave_up and not apart:
+    if outcome.complete and not failures and not apart:
         return None
     parts = [_failed(failures, world)] if failures else []
-    if outcome.elsewhere or apart:
+    if apart:
         parts.append(_apart(outcome))
     if missing:
         parts.append(_absent(outcome, missing, agreed.label, timeout))
-    elif outcome.gave_up and not failures:
+    elif not outcome.complete and not failures:
         parts.append(_too_slow(outcome, agreed.label, timeout))
     message = " ".join(p for p in parts if p)
     if world > 1:
-        named = sorted({*failures, *missing, *outcome.gave_up})
+        # A rank that gave up because another left the call is not at fault.
+        gave = [] if outcome.gave_up is None or outcome.stopped else [outcome.gave_up]
+        named = sorted({*failures, *missing, *gave})
         message += (
             f" Every rank stops here, so none waits in a collective that rank{_s(named)} "
             f"{_ranks(named)} will not join."
+            if named
+            else " Every rank stops here, so none waits in a collective another will not join."
         )
     error_type: type[CaptureError] = RankTimeoutError if missing and not failures else CaptureError
     if failures and not missing and all(f.stage == "self-check" for f in failures.values()):
@@ -352,55 +384,37 @@ def _advice(failures: list[Failure]) -> str:
 
 
 def _apart(outcome: Outcome) -> str:
-    """The ranks lost step: where each was."""
+    """The ranks' code differs: where each was."""
     by_label: dict[str, list[int]] = {}
     for rank, label in sorted(outcome.labels.items()):
         by_label.setdefault(label, []).append(rank)
     where = "; ".join(f"rank{_s(rs)} {_ranks(rs)} at '{label}'" for label, rs in by_label.items())
     return (
-        f"Tensor-parallel ranks reached different agreement points at once: {where}. Every rank "
-        f"must run the same FastDeploy and plugin with the same settings; the ranks meet again "
-        f"at the next capture session or lifecycle call."
+        f"Tensor-parallel ranks reached the same agreement point as different steps: {where}. "
+        f"Every rank must run the same FastDeploy and plugin with the same settings; the ranks "
+        f"meet again at the next capture session or lifecycle call."
     )
 
 
 def _absent(outcome: Outcome, missing: list[int], label: str, timeout: float) -> str:
-    """Ranks whose post does not count: dropped, gone, or not there in time."""
-    dropped = [r for r in missing if r in outcome.dropped]
-    lost = [r for r in missing if r in outcome.lost and r not in outcome.dropped]
-    late = [r for r in missing if r not in outcome.lost and r not in outcome.elsewhere]
-    parts = [
-        f"The agreement server dropped tensor-parallel rank {rank} for what it sent "
-        f"({outcome.dropped[rank]}) before the agreement point '{label}'."
-        for rank in dropped
-    ]
-    if lost:
-        parts.append(
-            f"Tensor-parallel rank{_s(lost)} {_ranks(lost)} closed {_their(lost)} connection "
-            f"(the process exited or crashed) before the agreement point '{label}' was decided."
-        )
-    if late:
-        # Said from the server's clock and the ranks that gave up, which every rank reads alike.
-        gave = [r for r in outcome.gave_up if r not in late] or list(outcome.gave_up)
-        who = f"rank{_s(gave)} {_ranks(gave)}" if gave else "the others"
-        it = "it" if len(late) == 1 else "them"
-        parts.append(
-            f"Tensor-parallel rank{_s(late)} {_ranks(late)} had not reached the agreement point "
-            f"'{label}' when {who} stopped waiting for {it}, after {_seconds(outcome.waited)} "
-            f"(FD_CUDAGRAPH_RANK_TIMEOUT, {_seconds(timeout)} here): "
-            f"{'it' if len(late) == 1 else 'they'} exited, hang, or do not run "
-            f"fd-cudagraph-plugin (set FD_PLUGINS=fd_cudagraph_plugin for every worker)."
-        )
-    return " ".join(parts)
+    """Ranks whose post was not there when the first rank's timeout ran out."""
+    gave = outcome.gave_up
+    who = f"rank {gave}" if gave is not None else "a rank"
+    it = "it" if len(missing) == 1 else "them"
+    return (
+        f"Tensor-parallel rank{_s(missing)} {_ranks(missing)} had not reached the agreement "
+        f"point '{label}' when {who} stopped waiting for {it} (FD_CUDAGRAPH_RANK_TIMEOUT, "
+        f"{_seconds(timeout)} here): {'it' if len(missing) == 1 else 'they'} exited, hang, are "
+        f"at another step, or do not run fd-cudagraph-plugin (set "
+        f"FD_PLUGINS=fd_cudagraph_plugin for every worker)."
+    )
 
 
 def _too_slow(outcome: Outcome, label: str, timeout: float) -> str:
-    gave = list(outcome.gave_up)
     return (
-        f"Tensor-parallel rank{_s(gave)} {_ranks(gave)} stopped waiting at the agreement point "
-        f"'{label}' after {_seconds(outcome.waited)} (FD_CUDAGRAPH_RANK_TIMEOUT, "
-        f"{_seconds(timeout)} here) just as the last rank arrived: a rank is too slow for the "
-        f"timeout; raise it."
+        f"A tensor-parallel rank's FD_CUDAGRAPH_RANK_TIMEOUT ({_seconds(timeout)} here) ran out "
+        f"at the agreement point '{label}' before every rank had reached it, and which ranks had "
+        f"was not recorded: a rank is too slow for the timeout, or stopped; raise it."
     )
 
 

@@ -1,84 +1,87 @@
-"""One rank's end of its tensor-parallel group's agreement: post a status at a point, get back the
-outcome TP rank 0's server decided for every rank.
+"""One rank's end of its tensor-parallel group's agreement: write its status at a point, post,
+and read the verdict every rank reads (``verdict.py``), over Paddle's job store (``store.py``).
 
-A rank never decides a point alone while the server can still answer: when its
-``FD_CUDAGRAPH_RANK_TIMEOUT`` runs out it asks the server to abandon the point and waits for the
-server's verdict, that abandonment or the completion decided first. It decides alone only when
-the server is gone, or silent for a second timeout (rank 0's whole process stopped or starved).
-A rank's next session starts after the highest epoch any rank reached (``Outcome.top``), so
-ranks that lost step meet again there.
+A point is named by what it is (``agreement.py`` derives the name alike on every rank), and its
+keys live under the group's prefix: ``<point>/s<rank>`` each rank's ``messages.Posted``, written
+before it posts; ``<point>/c`` the counter; ``<point>/v`` the record. Whatever is read back is
+bytes from outside: a post that does not decode, names another point or claims another rank's
+failure becomes that rank's failure, read alike on every rank.
+
+``SIGINT`` is held while a rank writes and reads a point: an interrupt between the store's reply
+and the code that reads it would lose a post the others count. The interrupt is handed to the
+caller with the outcome (``Agreed.interrupted``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import secrets
+import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from fd_cudagraph_plugin.core.ranks import sockets
+from fd_cudagraph_plugin.core.ranks import verdict
 from fd_cudagraph_plugin.core.ranks.messages import (
     MAX_LABEL,
     MAX_POST_BYTES,
-    MAX_TEXT,
-    PROTOCOL,
-    TO_RANK,
     UNREADABLE,
     Failure,
-    GiveUp,
-    Hello,
-    Outcome,
-    Post,
-    Refused,
-    ServerFailed,
+    Posted,
     Status,
-    Welcome,
     encode,
     malformed,
-    max_message_bytes,
+    read_posted,
     text,
 )
-from fd_cudagraph_plugin.core.ranks.server import OTHER_GROUP, USER, Server
+from fd_cudagraph_plugin.core.ranks.store import Store, StoreError
 
 
-class Link(Protocol):
-    """One rank's end of the agreement channel of its tensor-parallel group."""
+@dataclass(frozen=True)
+class Outcome:
+    """A point's verdict as every rank reads it."""
 
-    rank: int
-    world: int
-
-    def agree(self, label: str, status: Status, timeout: float) -> Agreed:
-        """Post ``status`` at the next point; return the outcome every rank reads."""
-
-    def next_epoch(self, timeout: float) -> int:
-        """A new session: points are numbered from 0 again."""
+    point: str
+    #: The status of each rank whose post counts, by rank.
+    statuses: dict[int, Status]
+    #: The label each of those ranks reached the point under.
+    labels: dict[int, str]
+    complete: bool = True
+    #: Ranks whose post does not count (not made before the first give-up); empty when complete,
+    #: and where the rank that gave up first did not record it.
+    missing: tuple[int, ...] = ()
+    #: The rank whose timeout ran out first, when the point was abandoned.
+    gave_up: int | None = None
+    #: Ranks that had left the point's call (their step failed at another of its points), with
+    #: the status they left with: why they never came.
+    stopped: dict[int, Status] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Agreed:
-    """A point's outcome as this rank read it, with its own label, or why the channel failed."""
+    """A point's outcome as this rank read it, with its own label, or why it could not be read."""
 
     label: str
     outcome: Outcome
-    #: Set when the channel itself failed: the server stopped, did not answer, or sent garbage.
+    #: Set when the store did not answer, or the verdict could not be learned.
     channel_failure: str = ""
+    #: An interrupt reached this rank while it was at the point.
+    interrupted: bool = False
 
     @property
     def complete(self) -> bool:
-        o = self.outcome
-        return not o.missing and not o.gave_up and not self.channel_failure
+        return (
+            not self.outcome.missing and self.outcome.gave_up is None and not self.channel_failure
+        )
 
     @property
     def failures(self) -> dict[int, Failure]:
-        """The failures posted, by rank."""
+        """The failures posted, and those of ranks that left the call, by rank."""
+        statuses = {**self.outcome.stopped, **self.outcome.statuses}
         return {
             rank: status.failure
-            for rank, status in sorted(self.outcome.statuses.items())
+            for rank, status in sorted(statuses.items())
             if status.failure is not None
         }
 
@@ -88,9 +91,17 @@ class Agreed:
         return [statuses[rank].payload for rank in sorted(statuses)]
 
 
-def alone(label: str, rank: int, status: Status, failure: str = "", **outcome: Any) -> Agreed:
-    """An outcome this rank decides without the server: its own status only."""
-    return Agreed(label, Outcome(key=(0, 0), statuses={rank: status}, **outcome), failure)
+class Link(Protocol):
+    """One rank's end of the agreement of its tensor-parallel group."""
+
+    rank: int
+    world: int
+
+    def agree(self, point: str, label: str, status: Status, timeout: float) -> Agreed:
+        """Post ``status`` at ``point``; return the outcome every rank reads."""
+
+    def stop(self, point: str, label: str, status: Status) -> None:
+        """This rank leaves the rest of ``point``'s call (see ``StoreLink.stop``)."""
 
 
 class LocalLink:
@@ -99,245 +110,202 @@ class LocalLink:
     rank = 0
     world = 1
 
-    def agree(self, label: str, status: Status, timeout: float) -> Agreed:
-        return Agreed(label, Outcome(key=(0, 0), statuses={0: status}, labels={0: label}))
+    def agree(self, point: str, label: str, status: Status, timeout: float) -> Agreed:
+        return Agreed(label, Outcome(point, {0: status}, {0: label}))
 
-    def next_epoch(self, timeout: float) -> int:
-        return 0
-
-
-class JoinError(RuntimeError):
-    """This rank could not join its group's agreement channel."""
+    def stop(self, point: str, label: str, status: Status) -> None:
+        pass
 
 
-class Stale(JoinError):
-    """The endpoint read is not this group's server (gone, or another group's): read it again."""
+#: Longest pause between two reads of a counter: what a point may add to a rank's wait.
+_MAX_PAUSE = 0.002
 
 
-_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-)
+class StoreLink:
+    """A rank of ``world`` agreeing through ``store`` under ``prefix`` (its group's)."""
 
-
-@dataclass
-class _State:
-    """What this rank knows of its connection to the server."""
-
-    #: The handshake succeeded at least once (the server was there).
-    met: bool = False
-    #: The connection closed and has not been made again.
-    down: bool = False
-    #: Why the server is gone for good (its process exited), or "".
-    gone: str = ""
-    #: Why the server no longer counts this rank (it must say hello again), or "".
-    refused: str = ""
-    #: The highest epoch the server has said any rank reached.
-    top: int = -1
-
-
-class ZmqLink:
-    """A rank's DEALER to its group's agreement server (hosted by the group's rank 0: its own
-    link connects in the process, ``Server.inproc``)."""
-
-    def __init__(
-        self,
-        rank: int,
-        world: int,
-        endpoint: str,
-        token: str,
-        server: Server | None = None,
-        group: str = "",
-    ) -> None:
+    def __init__(self, store: Store, prefix: str, rank: int, world: int) -> None:
+        self.store = store
+        self.prefix = prefix
         self.rank = rank
         self.world = world
-        self.group = server.group if server is not None else group
-        self.server = server
-        self.endpoint = server.inproc if server is not None else endpoint
-        self._context = server.context if server is not None else sockets.Context()
-        self._sock = sockets.bounded(self._context.socket(zmq.DEALER), max_message_bytes(world))
-        # The same routing id for as long as this link lives: a connection made again is still
-        # this rank (libzmq reserves ids that start with a zero byte).
-        self._sock.setsockopt(zmq.ROUTING_ID, b"r" + secrets.token_bytes(15))
-        self._sock.setsockopt(zmq.PLAIN_USERNAME, USER.encode())
-        self._sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
-        self._monitor = None if server is not None else self._sock.get_monitor_socket(_EVENTS)
-        self._sock.connect(self.endpoint)
-        self._poller = zmq.Poller()
-        for sock in (self._sock, self._monitor):
-            if sock is not None:
-                self._poller.register(sock, zmq.POLLIN)
-        self._state = _State()
-        self._epoch = -1
-        self._point = 0
-        self._lock = threading.Lock()
+        self.endpoint = getattr(store, "endpoint", "in memory")
+        #: Calls this rank has left (``stop``).
+        self._left: set[str] = set()
 
-    # -- joining
-
-    def hello(self, deadline: float) -> None:
-        """Say which rank this is and wait for the welcome, until ``deadline``. ``Stale`` when
-        the endpoint is not this group's server; ``TimeoutError`` when nothing answered."""
-        state = self._state
-        state.refused = ""
-        self._sock.send(encode(Hello(protocol=PROTOCOL, rank=self.rank, group=self.group)))
-        while True:
-            for message in self._take(deadline - time.monotonic()):
-                if isinstance(message, Welcome):
-                    return
-                if isinstance(message, Refused):
-                    if message.why.startswith(OTHER_GROUP):
-                        raise Stale(message.why)  # an older group's server: read again
-                    raise JoinError(f"the agreement server refused rank {self.rank}: {message.why}")
-                if isinstance(message, ServerFailed):
-                    raise JoinError(f"the agreement server failed ({message.why})")
-            if state.gone:
-                raise Stale(state.gone)
-            if time.monotonic() >= deadline:
-                raise TimeoutError
-
-    def next_epoch(self, timeout: float) -> int:
-        """A new session, after the highest epoch any rank reached. A rank the server stopped
-        counting says hello again first: the group forms again here."""
-        with self._lock:
-            if self._state.refused and not self._state.gone:
-                with contextlib.suppress(JoinError, TimeoutError):
-                    self.hello(time.monotonic() + timeout)
-            self._epoch = max(self._epoch + 1, self._state.top + 1)
-            self._point = 0
-            return self._epoch
-
-    def close(self) -> None:
-        for sock in (self._sock, self._monitor):
-            if sock is not None:
-                with contextlib.suppress(Exception):
-                    sock.close(linger=0)
-        if self.server is not None:
-            self.server.stop()  # its sockets are in this link's context: closed first
-            if self.server.is_alive():
-                return  # a loop that did not end holds its sockets: leave the context be
-        with contextlib.suppress(Exception):
-            self._context.term()
-
-    # -- points
-
-    def agree(self, label: str, status: Status, timeout: float) -> Agreed:
-        with self._lock:
-            key = (self._epoch, self._point)
-            self._point += 1
-            state = self._state
-            if state.gone:
-                return alone(label, self.rank, status, missing=(0,), lost=(0,))
-            if state.refused:
-                return alone(label, self.rank, status, _refused(state.refused))
-            body = _post(key, label, status, self.rank)
-            self._sock.send(body)
-            posted = time.monotonic()
-            gave_up = False
-            while True:
-                deadline = posted + (2 * timeout if gave_up else timeout)
-                for message in self._take(deadline - time.monotonic(), resend=body):
-                    if isinstance(message, Outcome):
-                        if message.key != key:
-                            continue  # a late reply to an earlier point
-                        if not message.fits(self.world):
-                            failure = "the agreement server sent an outcome of other ranks"
-                            return alone(label, self.rank, status, failure)
-                        state.top = max(state.top, message.top)
-                        return Agreed(label, message)
-                    if isinstance(message, Refused):
-                        state.refused = text(message.why, MAX_LABEL)
-                        return alone(label, self.rank, status, _refused(state.refused))
-                    if isinstance(message, ServerFailed):
-                        return alone(label, self.rank, status, _failed(message.why))
-                    if isinstance(message, str):
-                        return alone(label, self.rank, status, message)
-                if state.gone:
-                    return alone(label, self.rank, status, missing=(0,), lost=(0,))
-                server = self.server
-                if server is not None and (server.failure or not server.is_alive()):
-                    why = server.failure or "its thread has stopped"
-                    return alone(label, self.rank, status, _failed(why))
-                now = time.monotonic()
-                if not gave_up and now >= posted + timeout:
-                    gave_up = True
-                    self._sock.send(encode(GiveUp(key=key)))
-                elif gave_up and now >= posted + 2 * timeout and self.server is None:
-                    # Rank 0's process stopped answering for a whole timeout after this rank's
-                    # own ran out: stopped, starved or its host gone. (Rank 0's own server runs
-                    # in this process: it answers whenever this rank does.)
-                    return alone(
-                        label,
-                        self.rank,
-                        status,
-                        f"the agreement server on tensor-parallel rank 0 did not answer within "
-                        f"{now - posted:.3g} s (twice FD_CUDAGRAPH_RANK_TIMEOUT, {timeout:g} s): "
-                        f"rank 0's process is stopped, starved or gone",
-                    )
-
-    def _take(self, seconds: float, resend: bytes | None = None) -> list[Any]:
-        """What has arrived, after waiting up to ``seconds`` for something: messages from the
-        server (read as ``TO_RANK``), or a str saying why one could not be read. What already
-        waits is read before any deadline is judged, so a rank that was stopped itself reads
-        the outcome that reached it meanwhile. ``resend`` goes again when the connection is
-        made again (what was queued on the closed one may be lost)."""
-        if not sockets.readable(self._sock):
-            events = dict(self._poller.poll(max(int(seconds * 1000), 0)))
-            if self._monitor is not None and self._monitor in events:
-                self._news(resend)
-        taken: list[Any] = []
-        while sockets.readable(self._sock):
+    def stop(self, point: str, label: str, status: Status) -> None:
+        """This rank leaves the rest of ``point``'s call: its step failed at ``point``, or the
+        point did. The call's name is the first part of every point of it (``agreement.py``); a
+        rank waiting at any point of that call gives up there at once, without waiting out its
+        timeout, and reads ``status`` as why this rank never came. Best effort: a store that does
+        not answer leaves the others to their timeout."""
+        call = point.split(".", 1)[0]
+        if call in self._left:
+            return
+        self._left.add(call)
+        key = f"{self.prefix}/{call}/left"
+        body = self._body(point, label, status)
+        with contextlib.suppress(StoreError):
+            self._retry(lambda: self.store.set(f"{key}/s{self.rank}", body))
             try:
-                taken.append(TO_RANK.decode(self._sock.recv(sockets.NOBLOCK)))
-            except UNREADABLE as error:
-                taken.append(f"the agreement server sent a malformed message ({error})")
-        return taken
+                self.store.add(key, 1 << self.rank)
+            except StoreError as error:
+                if error.reconnected and not self.store.add(key, 0) >> self.rank & 1:
+                    self.store.add(key, 1 << self.rank)
 
-    def _news(self, resend: bytes | None) -> None:
-        state = self._state
-        while sockets.readable(self._monitor):
-            event = parse_monitor_message(self._monitor.recv_multipart(sockets.NOBLOCK))["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if state.down and resend is not None:
-                    self._sock.send(resend)  # the same post: the server answers it again
-                state.met, state.down = True, False
-            elif event == zmq.EVENT_DISCONNECTED:
-                state.down = state.met
-            elif state.down or not state.met:
-                # A connection closed, then a new one was refused (nothing listens there now)
-                # or failed its handshake (another server listens there now): the server this
-                # rank joined is gone.
-                state.gone = (
-                    "the agreement server's endpoint no longer answers"
-                    if event == zmq.EVENT_CONNECT_RETRIED
-                    else "the agreement server's endpoint refused this group's token"
+    def agree(self, point: str, label: str, status: Status, timeout: float) -> Agreed:
+        key = f"{self.prefix}/{point}"
+        label = text(label, MAX_LABEL)
+        with _interrupts_held() as interrupts:
+            try:
+                body = self._body(point, label, status)
+                self._retry(lambda: self.store.set(f"{key}/s{self.rank}", body))
+                rule = verdict.point(self.rank, self.world, f"{key}/c", f"{key}/v")
+                left = f"{self.prefix}/{point.split('.', 1)[0]}/left"
+                found = self._drive(rule, timeout, left)
+                outcome = self._outcome(key, point, found, left)
+            except StoreError as error:
+                failure = (
+                    f"Paddle's job store at {self.endpoint} did not answer ({error}); the job "
+                    f"store lives in global rank 0's process: restart the job"
                 )
+                return self._alone(point, label, status, failure, interrupts)
+            except verdict.Unrecorded:
+                failure = (
+                    f"every rank posted and a rank's FD_CUDAGRAPH_RANK_TIMEOUT ran out at once, "
+                    f"and the rank that gave up first did not record which came first within "
+                    f"{timeout:g} s (its process stopped or lost the job store)"
+                )
+                return self._alone(point, label, status, failure, interrupts)
+        return Agreed(label, outcome, interrupted=bool(interrupts))
+
+    def _alone(self, point, label, status, failure, interrupts) -> Agreed:
+        outcome = Outcome(point, {self.rank: status}, {self.rank: label}, complete=False)
+        return Agreed(label, outcome, text(failure, 1000), bool(interrupts))
+
+    def _body(self, point: str, label: str, status: Status) -> bytes:
+        """This rank's post. One the store must not carry (too large, unencodable) becomes this
+        rank's failure, so that every rank stops on it with the reason."""
+        try:
+            body = encode(Posted(point=point, label=label, status=status))
+        except (TypeError, ValueError) as error:
+            why = f"it cannot be encoded ({type(error).__name__}: {error})"
+        else:
+            if len(body) <= MAX_POST_BYTES:
+                return body
+            why = f"it is {len(body)} bytes, over {MAX_POST_BYTES}"
+        failed = malformed(self.rank, label, text(why, MAX_LABEL))
+        return encode(Posted(point=point, label=label, status=failed))
+
+    def _drive(self, rule, timeout: float, left: str) -> verdict.Verdict:
+        """Run ``rule`` against the store; the clock here is the operator's timeout alone, and a
+        rank that left the call (``left``, a bit per rank) ends a wait for posts as it would."""
+        began: dict[str, float] = {}
+        #: What the rule last learned of each key: a wait answers once the store holds more.
+        known: dict[str, Any] = {}
+        op = next(rule)
+        while True:
+            if isinstance(op, verdict.Add):
+                try:
+                    reply: Any = self.store.add(op.key, op.amount)
+                except StoreError as error:
+                    if not error.reconnected:
+                        raise
+                    reply = verdict.LOST
+                known[op.key] = reply
+            else:
+                began.setdefault(op.phase, time.monotonic())
+                watch = left if op.phase == "posts" else None
+                reply = self._wait(op.key, known.get(op.key), began[op.phase] + timeout, watch)
+                known[op.key] = reply[0]
+            try:
+                op = rule.send(reply)
+            except StopIteration as stop:
+                return stop.value
+
+    def _wait(self, key: str, known: Any, deadline: float, left: str | None) -> tuple[int, bool]:
+        """The value at ``key`` once it is not ``known`` (what the rule last learned of it), or
+        when the deadline passed, or another rank left the call (``left``); and whether the wait
+        is over. What the store holds is read before the deadline is judged, so a rank that was
+        stopped itself reads what happened meanwhile."""
+        pause = 0.00005
+        others = verdict.everyone(self.world) & ~(1 << self.rank)
+        while True:
+            value = self._retry(lambda: self.store.add(key, 0))
+            expired = time.monotonic() >= deadline
+            if left is not None and not expired:
+                expired = bool(self._retry(lambda: self.store.add(left, 0)) & others)
+            if value != known or expired:
+                return value, expired
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE)
+
+    def _retry(self, call):
+        """A call that changes nothing when made twice: made again once after a reset."""
+        try:
+            return call()
+        except StoreError as error:
+            if not error.reconnected:
+                raise
+            return call()
+
+    def _outcome(self, key: str, point: str, found: verdict.Verdict, left: str) -> Outcome:
+        """Read the posts that count, and why ranks that left the call never came."""
+        ranks = range(self.world)
+        counted = [r for r in ranks if found.posts is not None and found.posts >> r & 1]
+        statuses: dict[int, Status] = {}
+        labels: dict[int, str] = {}
+        for rank in counted:
+            statuses[rank], labels[rank] = self._read(f"{key}/s{rank}", point, rank)
+        stopped: dict[int, Status] = {}
+        if not found.complete:
+            gone = self._retry(lambda: self.store.add(left, 0))
+            call = point.split(".", 1)[0] + "."
+            for rank in ranks:
+                if rank not in counted and gone >> rank & 1:
+                    stopped[rank] = self._read(f"{left}/s{rank}", call, rank)[0]
+        known = not found.complete and found.posts is not None
+        missing = tuple(r for r in ranks if r not in counted) if known else ()
+        return Outcome(point, statuses, labels, found.complete, missing, found.giver, stopped)
+
+    def _read(self, key: str, point: str, rank: int) -> tuple[Status, str]:
+        """A post of ``rank`` and its label. One that is not what that rank may have written
+        becomes its failure: every rank reads the same bytes, so the same failure. ``point``
+        ending in "." names a call: a post at any point of it."""
+        raw = self._retry(lambda: self.store.get(key))
+        try:
+            posted = read_posted(raw)
+            why = _not_its(posted, point, rank)
+        except UNREADABLE as error:
+            posted, why = None, f"it does not decode ({error})"
+        if posted is None or why:
+            return malformed(rank, point, text(why, MAX_LABEL)), point
+        return posted.status, posted.label
 
 
-def _post(key: tuple[int, int], label: str, status: Status, rank: int) -> bytes:
-    """A post's bytes. A status the channel would refuse (too large, unencodable) becomes this
-    rank's failure, so that every rank stops on it with the reason."""
-    label = text(label, MAX_LABEL)
+def _not_its(posted: Posted, point: str, rank: int) -> str:
+    if posted.point != point and not (point.endswith(".") and posted.point.startswith(point)):
+        return f"it names the point '{posted.point}'"
+    failure = posted.status.failure
+    if failure is not None and failure.rank != rank:
+        return f"it claims a failure of rank {failure.rank}"
+    return ""
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[list[int]]:
+    """Hold ``SIGINT`` for the block when Python's default handler has it (a handler of
+    FastDeploy's or the operator's is left alone); yield the signals that came meanwhile."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield held
+        return
+    signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
     try:
-        body = encode(Post(key=key, label=label, status=status))
-    except (TypeError, ValueError) as error:
-        why = f"it cannot be encoded ({type(error).__name__}: {error})"
-    else:
-        if len(body) <= MAX_POST_BYTES:
-            return body
-        why = f"it is {len(body)} bytes, over the channel's {MAX_POST_BYTES}"
-    return encode(Post(key=key, label=label, status=malformed(rank, label, text(why, MAX_LABEL))))
-
-
-def _failed(why: str) -> str:
-    return text(f"the agreement server on tensor-parallel rank 0 failed ({why})", MAX_TEXT)
-
-
-def _refused(why: str) -> str:
-    return text(
-        f"the agreement server no longer counts this rank ({why}); it says hello again at its "
-        f"next capture session or lifecycle call",
-        MAX_TEXT,
-    )
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,14 +1,9 @@
-"""Every message of the ranks' agreement: one ``msgspec.Struct`` each, encoded as MessagePack.
+"""What ranks write in Paddle's job store at a point: one ``msgspec.Struct`` each, MessagePack.
 
-A peer's bytes are read by one strict typed decoder per direction (``TO_SERVER``, ``TO_RANK``)
-whose ``Meta`` bounds say what a peer may send; one that fails costs only the peer that sent it.
-What types cannot say is checked where it is used: that a posted failure is the poster's own
-(``server.py``), that an outcome names only ranks of the group (``Outcome.fits``), that a message
-has at most ``MAX_PARTS`` parts.
-
-A rank sends ``Hello``, ``Post`` and ``GiveUp``; the server ``Welcome``, ``Refused``, ``Outcome``
-(the same bytes for every rank), ``Ping`` and ``ServerFailed``; ranks share a ``Payload`` at
-points.
+A rank's bytes are read back by one strict typed decoder whose ``Meta`` bounds say what a rank may
+write; bytes that fail become that rank's failure, read alike on every rank (``link.py``). What
+types cannot say is checked where it is used: that a posted failure is the poster's own, and that
+a post names the point it was read at.
 """
 
 from __future__ import annotations
@@ -16,30 +11,22 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta, Raw, Struct
+from msgspec import Meta, Struct
 
-#: What the peers speak; a rank of another plugin version is refused at its hello.
-PROTOCOL = 4
-#: Largest TP group: FastDeploy sets no bound; none larger than a few nodes exists.
-MAX_RANKS = 1024
-#: The largest post, the plan point's (``tests/test_channel.py`` measures it).
+#: Largest TP group: a point's counter holds a post bit and a give-up bit per rank in one
+#: signed 64-bit value of Paddle's store (``verdict.py``). FastDeploy's TP groups are one node
+#: or two (8, 16).
+MAX_RANKS = 31
+#: The largest post, the plan point's (``tests/test_agreement.py`` measures it).
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
 MAX_TEXT = 2000
-#: Parts of one message: a rank's DEALER sends one, which the server's ROUTER reads after the
-#: sender's routing id. libzmq bounds each part's bytes (``MAXMSGSIZE``), never their number.
-MAX_PARTS = 2
 
 Rank = Annotated[int, Meta(ge=0, lt=MAX_RANKS)]
 Label = Annotated[str, Meta(max_length=MAX_LABEL)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 Short = Annotated[str, Meta(max_length=300)]
-Index = Annotated[int, Meta(ge=0, lt=1 << 31)]
-#: A point: (session epoch, point number in it).
-Key = tuple[Index, Index]
 Figure = Annotated[int, Meta(ge=0, lt=1 << 60)]
-Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
-Ranks = Annotated[tuple[Rank, ...], Meta(max_length=MAX_RANKS)]
 Sizes = Annotated[list[Annotated[int, Meta(ge=1, lt=1 << 20)]], Meta(max_length=4096)]
 Scalar = None | bool | int | float | Label
 
@@ -129,99 +116,28 @@ class Status(Message):
     failure: Failure | None = None
 
 
-# ------------------------------------------------------------------------------ the protocol
+class Posted(Message):
+    """What one rank writes at a point, before it posts: the point's name (a stale or planted
+    entry names another), the label it reached it under, and its status."""
 
-
-class Hello(Message, tag=True):
-    protocol: Annotated[int, Meta(ge=0, lt=1 << 16)]
-    rank: Rank
-    #: Which launch of which group this rank belongs to (``join.group_id``): a server of another
-    #: one (an older group's, still alive) refuses it.
-    group: Label = ""
-
-
-class Welcome(Message, tag=True):
-    pass
-
-
-class Refused(Message, tag=True):
-    why: Label
-
-
-class Post(Message, tag=True):
-    key: Key
+    point: Label
     label: Label
     status: Status
 
 
-class GiveUp(Message, tag=True):
-    key: Key
-
-
-class Outcome(Message, tag=True):
-    """What every rank learns at one point, decided once by the server."""
-
-    key: Key
-    #: Each rank's status, by rank; ranks whose post does not count are absent.
-    statuses: Annotated[dict[Rank, Status], Meta(max_length=MAX_RANKS)]
-    #: The label each rank posted with at this point, or, for a rank waiting at another point
-    #: at the decision, the label it waits under.
-    labels: Annotated[dict[Rank, Label], Meta(max_length=MAX_RANKS)] = {}
-    #: Ranks whose post does not count: not made, or made by a rank lost since. Empty when the
-    #: point completed.
-    missing: Ranks = ()
-    #: Of ``missing``: ranks whose connection closed (the process exited), or dropped.
-    lost: Ranks = ()
-    #: Ranks whose ``FD_CUDAGRAPH_RANK_TIMEOUT`` ran out at this point before it was decided.
-    gave_up: Ranks = ()
-    #: Of ``missing``: ranks waiting at another point, or already past this one: the ranks have
-    #: lost step (``labels`` says where each is).
-    elsewhere: Ranks = ()
-    #: Of ``lost``: ranks the server dropped for what they sent, with why.
-    dropped: Annotated[dict[Rank, Label], Meta(max_length=MAX_RANKS)] = {}
-    #: Seconds from the first post at this point to its decision.
-    waited: Seconds = 0.0
-    #: The highest session epoch any rank had reached at the decision: after a point the ranks
-    #: met at different epochs, every rank's next session starts after it (``link.next_epoch``).
-    top: Annotated[int, Meta(ge=-1, lt=1 << 31)] = -1
-
-    def fits(self, world: int) -> bool:
-        """Every rank it names is one of ``world``."""
-        named = [*self.statuses, *self.labels, *self.missing, *self.lost, *self.gave_up]
-        return all(r < world for r in [*named, *self.elsewhere, *self.dropped])
-
-
-class Ping(Message, tag=True):
-    """The server's probe of a connection (``server.py``); a rank reads and ignores it."""
-
-
-class ServerFailed(Message, tag=True):
-    why: Text
-
-
-class _PostIn(Message, tag="Post"):
-    """A post as the server reads it: its status is read apart (``read_status``), so that one a
-    rank cannot have meant becomes that rank's failure rather than a dropped connection."""
-
-    key: Key
-    label: Label
-    status: Raw
-
-
-#: What the server reads, and what a rank reads.
-TO_SERVER = msgspec.msgpack.Decoder(Hello | _PostIn | GiveUp)
-TO_RANK = msgspec.msgpack.Decoder(Welcome | Refused | Outcome | Ping | ServerFailed)
-_STATUS = msgspec.msgpack.Decoder(Status)
+_POSTED = msgspec.msgpack.Decoder(Posted)
 encode = msgspec.msgpack.Encoder().encode
-BadMessage = msgspec.DecodeError
-#: What reading a peer's bytes raises: msgspec before 0.19 raises ``UnicodeDecodeError`` for
-#: text that is not UTF-8 (it killed this server's thread in a test with msgspec 0.18).
+#: What reading a rank's bytes raises: msgspec before 0.19 raises ``UnicodeDecodeError`` for text
+#: that is not UTF-8.
 UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError)
 
 
-def read_status(raw: Raw) -> Status:
-    """A posted status, read strictly; ``BadMessage`` says what is wrong."""
-    return _STATUS.decode(raw)
+def read_posted(raw: bytes) -> Posted:
+    """A rank's post as written in the store, read strictly (``UNREADABLE`` says what is
+    wrong)."""
+    if len(raw) > MAX_POST_BYTES:
+        raise msgspec.DecodeError(f"{len(raw)} bytes, over {MAX_POST_BYTES}")
+    return _POSTED.decode(raw)
 
 
 def malformed(rank: int, label: str, why: str) -> Status:
@@ -243,11 +159,6 @@ def malformed(rank: int, label: str, why: str) -> Status:
             advice="",
         )
     )
-
-
-def max_message_bytes(world: int) -> int:
-    """The largest message a rank may receive: an outcome holds every rank's post."""
-    return world * (MAX_POST_BYTES + 2 * MAX_LABEL) + 4096
 
 
 def text(value: object, limit: int) -> str:

@@ -1,0 +1,123 @@
+"""A rank's end of the agreement (``ranks/link.py``) over an in-memory store, ranks in threads,
+ordered by events: what it writes before it posts, what it reads back, and a rank that leaves a
+call. The rule itself is ``test_verdict.py``'s; real processes over Paddle's store are
+``test_liveness.py``'s."""
+
+from __future__ import annotations
+
+import threading
+
+from fd_cudagraph_plugin.core.ranks.agreement import agreed_error
+from fd_cudagraph_plugin.core.ranks.link import StoreLink
+from fd_cudagraph_plugin.core.ranks.messages import Failure, Posted, Status, encode
+
+
+class Store:
+    """Paddle's store as the link sees it, in memory. ``get`` of a key nobody wrote fails (Paddle's
+    blocks for ever). ``hold`` stops the rank whose add sets that bit right after it, until
+    ``release``."""
+
+    def __init__(self, hold: int | None = None) -> None:
+        self.values: dict[str, object] = {}
+        self.lock = threading.Lock()
+        self.hold = hold
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            value = int(self.values.get(key, 0)) + amount
+            self.values[key] = value
+        if self.hold is not None and key.endswith("/c") and amount == self.hold:
+            self.held.set()
+            self.release.wait(60)
+        return value
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.lock:
+            self.values[key] = bytes(value)
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            if key not in self.values:
+                raise KeyError(f"{key} was read before anyone wrote it")
+            return self.values[key]
+
+
+def _in_thread(call):
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_a_status_is_in_the_store_before_its_post_counts():
+    """Rank 1 stands still right after its post; rank 0 completes the point and reads rank 1's
+    status. Planted: a post made before the status is written fails here (the status is read
+    before it exists)."""
+    store = Store(hold=1 << 1)
+    zero, one = (StoreLink(store, "g", rank, 2) for rank in (0, 1))
+    thread, late = _in_thread(lambda: one.agree("c1.s1.0", "plan", Status(payload="one"), 300))
+    assert store.held.wait(60)
+    first = zero.agree("c1.s1.0", "plan", Status(payload="zero"), 300)
+    store.release.set()
+    thread.join(60)
+    assert first.complete and first.shared() == ["zero", "one"]
+    assert late[0].complete and late[0].shared() == ["zero", "one"]
+
+
+def test_a_status_that_is_not_its_ranks_is_that_ranks_failure_on_every_rank():
+    """Bytes in the store are from outside: rank 1's entry is overwritten with a post of another
+    point claiming rank 0's failure. Every rank reads the same failure of rank 1."""
+    store = Store(hold=1 << 1)
+    zero, one = (StoreLink(store, "g", rank, 2) for rank in (0, 1))
+    thread, late = _in_thread(lambda: one.agree("c1.s1.0", "plan", Status(), 300))
+    assert store.held.wait(60)
+    forged = Failure(
+        rank=0,
+        stage="x",
+        where="",
+        mode="",
+        error="",
+        out_of_memory=False,
+        explained=True,
+        advice="",
+    )
+    store.set(
+        "g/c1.s1.0/s1", encode(Posted(point="c1.s9.9", label="plan", status=Status(failure=forged)))
+    )
+    first = zero.agree("c1.s1.0", "plan", Status(), 300)
+    store.release.set()
+    thread.join(60)
+    errors = [str(agreed_error(a, 2, 300)) for a in (first, late[0])]
+    assert errors[0] == errors[1] and "MalformedStatus: rank 1" in errors[0], errors
+
+
+def test_a_rank_that_leaves_a_call_releases_the_others_waiting_anywhere_in_it():
+    """Rank 1 failed at another point of the same call and left it: rank 0, waiting with a 300 s
+    timeout, gives up at once and reads why; a point of the next call is not touched."""
+    store = Store()
+    zero, one = (StoreLink(store, "g", rank, 2) for rank in (0, 1))
+    thread, found = _in_thread(lambda: zero.agree("c4.after.0", "after wakeup", Status(), 300))
+    failure = Failure(
+        rank=1,
+        stage="capture",
+        where="decode size 4",
+        mode="m",
+        error="RuntimeError: out of memory",
+        out_of_memory=True,
+        explained=False,
+        advice="",
+    )
+    one.stop("c4.s1.3", "capture decode size 4", Status(failure=failure))
+    thread.join(60)
+    assert not thread.is_alive()
+    agreed = found[0]
+    assert not agreed.complete and agreed.outcome.stopped[1].failure == failure
+    message = str(agreed_error(agreed, 2, 300))
+    assert "capture failed on tensor-parallel rank 1 of 2 for decode size 4" in message
+    assert "that rank 1 will not join" in message
+    thread, later = _in_thread(lambda: zero.agree("c5.after.0", "after sleep", Status(), 300))
+    one.agree("c5.after.0", "after sleep", Status(), 300)
+    thread.join(60)
+    assert later[0].complete
