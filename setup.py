@@ -6,7 +6,7 @@ URL = "https://github.com/fd-cudagraph-plugin/fd-cudagraph-plugin"
 
 setup(
     name="fd-cudagraph-plugin",
-    version="0.6.0",
+    version="0.7.0",
     description=(
         "A replacement CUDA-graph backend for PaddlePaddle FastDeploy 2.x, loaded as a plugin; "
         "tested on CPU stand-ins and a torch GPU stand-in, not yet with Paddle on a GPU"

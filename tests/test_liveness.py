@@ -69,6 +69,14 @@ class RankProcess:
     def signal(self, number: int) -> None:
         self.process.send_signal(number)
 
+    def stop(self) -> None:
+        """SIGSTOP, returning once the kernel says the process is stopped: the signal takes
+        effect a moment after it is sent, and a peer could do a whole point meanwhile."""
+        self.process.send_signal(signal.SIGSTOP)
+        status = Path(f"/proc/{self.process.pid}/status")
+        while "T (stopped)" not in status.read_text():
+            time.sleep(0.001)
+
     def end(self) -> None:
         self.process.kill()
         self.process.wait()
@@ -124,18 +132,18 @@ def stall_once(ranks: Group, stall: Stall, name: str) -> list[dict]:
     stalled, other = ranks[stall.who], ranks[1 - stall.who]
     t = stall.timeout
     if stall.where == "idle":
-        stalled.signal(signal.SIGSTOP)
+        stalled.stop()
         time.sleep(stall.seconds)
         stalled.signal(signal.SIGCONT)
         return ranks.point(name, t)
     if stall.where == "after posting":
         stalled.say(f"point {name} {t}")
         assert stalled.line() == "posted"
-        stalled.signal(signal.SIGSTOP)
+        stalled.stop()
     else:
         stalled.say("hold")
         stalled.expect("holding")
-        stalled.signal(signal.SIGSTOP)
+        stalled.stop()
         stalled.say("go")
         stalled.say(f"point {name} {t}")
     other.say(f"point {name} {t}")
