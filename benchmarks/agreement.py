@@ -52,7 +52,7 @@ def rank_main(args: argparse.Namespace) -> int:
     from simulated import TestRuntime
 
     from fd_cudagraph_plugin import plugin
-    from fd_cudagraph_plugin.core import process, runtime, session
+    from fd_cudagraph_plugin.core import lifecycle, process, runtime, session
     from fd_cudagraph_plugin.core.ranks.link import Agreed, Outcome
 
     dist.init_parallel_env()
@@ -97,9 +97,14 @@ def rank_main(args: argparse.Namespace) -> int:
         "FastDeploy's registrations": [],
     }
     points = 0
+    calls = 0
     for _ in range(args.rounds):
         for arm in times:
             process.reset_for_tests().links.update(links)
+            # Each session as a later lifecycle call of the same worker: its points are named
+            # after that call (a fresh process state would name them as the first call's again).
+            calls += 1
+            lifecycle.state().calls = calls
             runtime.install_runtime(TestRuntime())
             communication._TP_AR = CustomAllreduce(group, initialized=True)
             session.link_for = (

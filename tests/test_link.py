@@ -28,7 +28,7 @@ class Store:
         with self.lock:
             value = int(self.values.get(key, 0)) + amount
             self.values[key] = value
-        if self.hold is not None and key.endswith("/c") and amount == self.hold:
+        if self.hold is not None and key.endswith("/c") and amount & self.hold:
             self.held.set()
             self.release.wait(60)
         return value
@@ -42,6 +42,19 @@ class Store:
             if key not in self.values:
                 raise KeyError(f"{key} was read before anyone wrote it")
             return self.values[key]
+
+
+def _failure(rank: int, stage: str, error: str, where: str = "") -> Failure:
+    return Failure(
+        rank=rank,
+        stage=stage,
+        where=where,
+        mode="m",
+        error=error,
+        out_of_memory="out of memory" in error,
+        explained=False,
+        advice="",
+    )
 
 
 def _in_thread(call):
@@ -71,18 +84,9 @@ def test_a_status_that_is_not_its_ranks_is_that_ranks_failure_on_every_rank():
     point claiming rank 0's failure. Every rank reads the same failure of rank 1."""
     store = Store(hold=1 << 1)
     zero, one = (StoreLink(store, "g", rank, 2) for rank in (0, 1))
-    thread, late = _in_thread(lambda: one.agree("c1.s1.0", "plan", Status(), 300))
+    thread, late = _in_thread(lambda: one.agree("c1.s1.0", "plan", Status(payload=True), 300))
     assert store.held.wait(60)
-    forged = Failure(
-        rank=0,
-        stage="x",
-        where="",
-        mode="",
-        error="",
-        out_of_memory=False,
-        explained=True,
-        advice="",
-    )
+    forged = _failure(0, "x", "")
     store.set(
         "g/c1.s1.0/s1", encode(Posted(point="c1.s9.9", label="plan", status=Status(failure=forged)))
     )
@@ -99,16 +103,7 @@ def test_a_rank_that_leaves_a_call_releases_the_others_waiting_anywhere_in_it():
     store = Store()
     zero, one = (StoreLink(store, "g", rank, 2) for rank in (0, 1))
     thread, found = _in_thread(lambda: zero.agree("c4.after.0", "after wakeup", Status(), 300))
-    failure = Failure(
-        rank=1,
-        stage="capture",
-        where="decode size 4",
-        mode="m",
-        error="RuntimeError: out of memory",
-        out_of_memory=True,
-        explained=False,
-        advice="",
-    )
+    failure = _failure(1, "capture", "RuntimeError: out of memory", where="decode size 4")
     one.stop("c4.s1.3", "capture decode size 4", Status(failure=failure))
     thread.join(60)
     assert not thread.is_alive()
@@ -121,3 +116,36 @@ def test_a_rank_that_leaves_a_call_releases_the_others_waiting_anywhere_in_it():
     one.agree("c5.after.0", "after sleep", Status(), 300)
     thread.join(60)
     assert later[0].complete
+
+
+def test_an_interrupt_while_a_rank_waits_at_a_point_is_handed_back_with_the_outcome():
+    """SIGINT reaches rank 0 while it waits for rank 1: the point still completes on both (the
+    interrupt cannot lose a post or a read), and rank 0's outcome says it was interrupted, for
+    the agreement to post at its next point. Planted: without the held signal, the interrupt
+    escapes from inside the wait."""
+    import os
+    import signal
+
+    store = Store()
+    zero, one = (StoreLink(store, "g", rank, 2) for rank in (0, 1))
+    waiting = threading.Event()
+    reads = store.add
+
+    def add(key, amount):
+        if amount == 0 and key.endswith("/c"):
+            waiting.set()
+        return reads(key, amount)
+
+    store.add = add
+
+    def interrupt_then_post():
+        waiting.wait(60)
+        os.kill(os.getpid(), signal.SIGINT)
+        one.agree("c2.after.0", "after sleep", Status(payload="one"), 300)
+
+    thread = threading.Thread(target=interrupt_then_post, daemon=True)
+    thread.start()
+    agreed = zero.agree("c2.after.0", "after sleep", Status(payload="zero"), 300)
+    thread.join(60)
+    assert agreed.complete and agreed.interrupted
+    assert agreed.shared() == ["zero", "one"]

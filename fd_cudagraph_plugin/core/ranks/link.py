@@ -118,7 +118,11 @@ class LocalLink:
 
 
 #: Longest pause between two reads of a counter: what a point may add to a rank's wait.
-_MAX_PAUSE = 0.002
+_MAX_PAUSE = 0.00025
+#: How long a wait runs before it also watches for ranks that left the call: a failure there is
+#: worth seeing at once only against a timeout of seconds.
+_WATCH_AFTER = 0.02
+_PLAIN = Status()
 
 
 class StoreLink:
@@ -158,12 +162,15 @@ class StoreLink:
         label = text(label, MAX_LABEL)
         with _interrupts_held() as interrupts:
             try:
-                body = self._body(point, label, status)
-                self._retry(lambda: self.store.set(f"{key}/s{self.rank}", body))
-                rule = verdict.point(self.rank, self.world, f"{key}/c", f"{key}/v")
+                # A plain "ok" is not written: the post says so (most points are one).
+                written = status != _PLAIN
+                if written:
+                    body = self._body(point, label, status)
+                    self._retry(lambda: self.store.set(f"{key}/s{self.rank}", body))
+                rule = verdict.point(self.rank, self.world, f"{key}/c", f"{key}/v", written)
                 left = f"{self.prefix}/{point.split('.', 1)[0]}/left"
-                found = self._drive(rule, timeout, left)
-                outcome = self._outcome(key, point, found, left)
+                found, counter = self._drive(rule, timeout, left, f"{key}/c")
+                outcome = self._outcome(key, point, found, left, counter, label, status)
             except StoreError as error:
                 failure = (
                     f"Paddle's job store at {self.endpoint} did not answer ({error}); the job "
@@ -197,9 +204,12 @@ class StoreLink:
         failed = malformed(self.rank, label, text(why, MAX_LABEL))
         return encode(Posted(point=point, label=label, status=failed))
 
-    def _drive(self, rule, timeout: float, left: str) -> verdict.Verdict:
+    def _drive(
+        self, rule, timeout: float, left: str, counter: str
+    ) -> tuple[verdict.Verdict, int | None]:
         """Run ``rule`` against the store; the clock here is the operator's timeout alone, and a
-        rank that left the call (``left``, a bit per rank) ends a wait for posts as it would."""
+        rank that left the call (``left``, a bit per rank) ends a wait for posts as it would.
+        Returns the verdict and the last value of ``counter`` read (None: none was)."""
         began: dict[str, float] = {}
         #: What the rule last learned of each key: a wait answers once the store holds more.
         known: dict[str, Any] = {}
@@ -216,24 +226,27 @@ class StoreLink:
             else:
                 began.setdefault(op.phase, time.monotonic())
                 watch = left if op.phase == "posts" else None
-                reply = self._wait(op.key, known.get(op.key), began[op.phase] + timeout, watch)
+                reply = self._wait(op.key, known.get(op.key), began[op.phase], timeout, watch)
                 known[op.key] = reply[0]
             try:
                 op = rule.send(reply)
             except StopIteration as stop:
-                return stop.value
+                return stop.value, known.get(counter)
 
-    def _wait(self, key: str, known: Any, deadline: float, left: str | None) -> tuple[int, bool]:
+    def _wait(
+        self, key: str, known: Any, began: float, timeout: float, left: str | None
+    ) -> tuple[int, bool]:
         """The value at ``key`` once it is not ``known`` (what the rule last learned of it), or
-        when the deadline passed, or another rank left the call (``left``); and whether the wait
-        is over. What the store holds is read before the deadline is judged, so a rank that was
-        stopped itself reads what happened meanwhile."""
-        pause = 0.00005
+        when the timeout since ``began`` ran out, or another rank left the call (``left``); and
+        whether the wait is over. What the store holds is read before the deadline is judged, so
+        a rank that was stopped itself reads what happened meanwhile."""
+        pause = 0.00001
         others = verdict.everyone(self.world) & ~(1 << self.rank)
         while True:
             value = self._retry(lambda: self.store.add(key, 0))
-            expired = time.monotonic() >= deadline
-            if left is not None and not expired:
+            now = time.monotonic()
+            expired = now >= began + timeout
+            if left is not None and not expired and now >= began + _WATCH_AFTER:
                 expired = bool(self._retry(lambda: self.store.add(left, 0)) & others)
             if value != known or expired:
                 return value, expired
@@ -249,14 +262,30 @@ class StoreLink:
                 raise
             return call()
 
-    def _outcome(self, key: str, point: str, found: verdict.Verdict, left: str) -> Outcome:
-        """Read the posts that count, and why ranks that left the call never came."""
+    def _outcome(
+        self,
+        key: str,
+        point: str,
+        found: verdict.Verdict,
+        left: str,
+        counter: int | None,
+        label: str,
+        status: Status,
+    ) -> Outcome:
+        """Read the posts that count (a plain "ok" was not written), and why ranks that left the
+        call never came."""
         ranks = range(self.world)
         counted = [r for r in ranks if found.posts is not None and found.posts >> r & 1]
+        if counter is None or any(not counter >> r & 1 for r in counted):
+            counter = self._retry(lambda: self.store.add(f"{key}/c", 0))  # a record said who
         statuses: dict[int, Status] = {}
         labels: dict[int, str] = {}
         for rank in counted:
-            statuses[rank], labels[rank] = self._read(f"{key}/s{rank}", point, rank)
+            # This rank's own too: every rank must read the same bytes, whoever wrote them.
+            if counter & verdict.written_bit(rank, self.world):
+                statuses[rank], labels[rank] = self._read(f"{key}/s{rank}", point, rank)
+            else:
+                statuses[rank], labels[rank] = _PLAIN, label
         stopped: dict[int, Status] = {}
         if not found.complete:
             gone = self._retry(lambda: self.store.add(left, 0))

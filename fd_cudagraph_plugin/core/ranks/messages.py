@@ -13,10 +13,10 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-#: Largest TP group: a point's counter holds a post bit and a give-up bit per rank in one
-#: signed 64-bit value of Paddle's store (``verdict.py``). FastDeploy's TP groups are one node
-#: or two (8, 16).
-MAX_RANKS = 31
+#: Largest TP group: a point's counter holds three bits per rank (posted, gave up, wrote a
+#: status) in one signed 64-bit value of Paddle's store (``verdict.py``). FastDeploy's TP groups
+#: are one node or two (8, 16).
+MAX_RANKS = 20
 #: The largest post, the plan point's (``tests/test_agreement.py`` measures it).
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
@@ -141,16 +141,16 @@ def read_posted(raw: bytes) -> Posted:
 
 
 def malformed(rank: int, label: str, why: str) -> Status:
-    """The status of a rank whose own post the channel would not carry (too large, or not a
-    status): its failure, which every rank reads alike."""
+    """The status of a rank whose post the agreement cannot take (too large, unencodable, or read
+    back as something that rank cannot have written): its failure, which every rank reads alike."""
     return Status(
         failure=Failure(
             rank=rank,
             stage="agreement",
             where="",
-            mode="the agreement channel",
+            mode="its post in Paddle's job store",
             error=text(
-                f"MalformedStatus: rank {rank} posted a status at '{label}' that the channel "
+                f"MalformedStatus: rank {rank} posted a status at '{label}' that the agreement "
                 f"does not accept ({why}); every rank must run the same fd-cudagraph-plugin",
                 MAX_TEXT,
             ),

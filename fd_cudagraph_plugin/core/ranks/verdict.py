@@ -1,7 +1,8 @@
 """One verdict per point, ordered by one atomic counter in Paddle's job store.
 
-Each point has a counter. Rank ``r`` posts by adding bit ``r`` (after writing its status); when
-its ``FD_CUDAGRAPH_RANK_TIMEOUT`` runs out it gives up by adding bit ``world + r``. The store
+Each point has a counter. Rank ``r`` posts by adding bit ``r`` (after writing its status, and
+with bit ``2 * world + r`` when it wrote one: a plain "ok" is not written); when its
+``FD_CUDAGRAPH_RANK_TIMEOUT`` runs out it gives up by adding bit ``world + r``. The store
 applies adds one at a time, so they have one order, the same for every rank, and whatever a rank
 reads of the counter, or gets back from its own add, is the state after some prefix of that
 order. The verdict is:
@@ -71,6 +72,12 @@ class Unrecorded(Exception):
     which came first, did not record it within the timeout."""
 
 
+def written_bit(rank: int, world: int) -> int:
+    """The bit a post carries when its rank wrote a status to read (the third region of the
+    counter; the rule reads only the first two)."""
+    return 1 << (2 * world + rank)
+
+
 def everyone(world: int) -> int:
     return (1 << world) - 1
 
@@ -119,13 +126,14 @@ def read_record(value: int, world: int) -> Verdict | None:
 
 
 def point(
-    rank: int, world: int, counter: str, recorded: str
+    rank: int, world: int, counter: str, recorded: str, written: bool = False
 ) -> Generator[Add | Wait, object, Verdict]:
-    """One rank's part of one point, after it wrote its status: post, wait, give up at the
-    timeout, and return the verdict every rank returns. Raises ``Unrecorded`` when the verdict
-    needs a record that did not come within the timeout."""
+    """One rank's part of one point, after it wrote its status (``written``; a plain "ok" is not
+    written): post, wait, give up at the timeout, and return the verdict every rank returns.
+    Raises ``Unrecorded`` when the verdict needs a record that did not come within the
+    timeout."""
     mine, give_up = 1 << rank, 1 << (world + rank)
-    value = yield Add(counter, mine)
+    value = yield Add(counter, mine | (written_bit(rank, world) if written else 0))
     # What this post's own add returned: a give-up before it means the posts did not all come
     # first; read like any other value of the counter (a lost reply: read it again).
     verdict = None if value is LOST else from_counter(value, world)
