@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import shutil
 import sys
@@ -381,11 +380,19 @@ class FlakyBackboneForRunner(TinyBackbone):
         return super().forward(ids_remove_padding, forward_meta)
 
 
+def pytest_configure(config):
+    """Each run gets a temporary directory of its own unless one is named (``--basetemp``):
+    pytest's shared ``pytest-of-<user>`` is rotated by any other run of the same user, which once
+    removed this one's files mid-run (129 errors)."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="fd-cudagraph-tests-")
+        config._fd_cudagraph_basetemp = config.option.basetemp
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session):
-    """pytest removes each test's tmp_path (``tmp_path_retention_policy = none``) but leaves the
-    empty ``pytest-of-<user>`` folder behind it in $TMPDIR; an empty one goes too."""
-    import getpass
-
-    with contextlib.suppress(OSError, KeyError):
-        os.rmdir(Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}")
+    """The run's own temporary directory goes with the run (each test's ``tmp_path`` is already
+    removed, ``tmp_path_retention_policy = none``)."""
+    made = getattr(session.config, "_fd_cudagraph_basetemp", None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)

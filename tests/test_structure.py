@@ -76,3 +76,48 @@ def test_the_serving_core_never_imports_the_tools():
 
 def test_the_package_is_pure_python():
     assert [p.name for p in PACKAGE.rglob("*") if p.suffix in {".c", ".so", ".pyx"}] == []
+
+
+#: Lines a wing may hold, set to the sizes it had when the budget was last set (0.7.0, 2026-12-06).
+#: Raising one is a change of its own, with its reason in the commit: every feature deletes as it
+#: adds, or says why not. Lowering one after a clean-up keeps what the clean-up won.
+BUDGETS = {
+    "core": 7450,
+    "core/ranks": 1350,
+    "tools": 5200,
+}
+#: The largest module, whichever it is.
+LARGEST_MODULE = 980
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_every_wing_stays_within_its_budget():
+    sizes = {wing: sum(_lines(p) for p in (PACKAGE / wing).rglob("*.py")) for wing in BUDGETS}
+    over = {wing: (sizes[wing], limit) for wing, limit in BUDGETS.items() if sizes[wing] > limit}
+    assert not over, f"lines over budget (wing: (lines, budget)): {over}"
+    largest = max(PACKAGE.rglob("*.py"), key=_lines)
+    assert _lines(largest) <= LARGEST_MODULE, (largest.name, _lines(largest))
+
+
+def test_the_budget_check_counts_a_module_added_to_a_wing(tmp_path, monkeypatch):
+    """A planted module of 2,000 lines in a copy of the ranks' wing puts it over its budget."""
+    import shutil
+
+    copy = tmp_path / "fd_cudagraph_plugin"
+    shutil.copytree(PACKAGE, copy)
+    (copy / "core" / "ranks" / "grown.py").write_text("x = 1\n" * 2000, encoding="utf-8")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", copy)
+    try:
+        test_every_wing_stays_within_its_budget()
+    except AssertionError as error:
+        assert "core/ranks" in str(error)
+    else:
+        raise AssertionError("a wing over its budget passed")
+
+
+def test_this_run_has_a_temporary_directory_of_its_own(tmp_path):
+    """Not pytest's shared ``pytest-of-<user>``, which another run of the same user rotates."""
+    assert "pytest-of-" not in str(tmp_path), tmp_path
