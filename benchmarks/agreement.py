@@ -19,8 +19,8 @@ includes what the ranks wait for each other at each point (on 2 cores beside eac
 scheduler's skew between the ranks, which one collective at the end absorbs once).
 
 ``--against REV`` runs the benchmark of an earlier commit too (0.6.0's ZeroMQ channel:
-``--against 4dbd48f``, which needs pyzmq installed), from ``git archive`` into a temporary folder, in
-the same run: figures of different runs on this machine do not compare.
+``--against 4dbd48f``, which needs pyzmq installed), from ``git archive`` into a temporary
+folder, in the same run: figures of different runs on this machine do not compare.
 
     python benchmarks/agreement.py [--rounds 7] [--ranks 2 4] [--against REV]
 """
