@@ -284,7 +284,7 @@ def test_a_rank_that_never_joins_is_named_by_those_that_waited_within_the_timeou
 def test_no_rank_enters_the_registration_when_the_runner_fails_after_the_last_size(two, how, rank):
     """0.6.0 ran the session's registration (an all_gather_object) before any point said the
     capture loop had ended on every rank: the healthy rank waited there alone until gloo's
-    timeout, 8 of 8 launches; an interrupt was not posted at all."""
+    timeout, 8 of 8 launches in issue 41's runs; an interrupt was not posted at all."""
     facts = two[f"runner-{how}-after-the-last-size@{rank}"]
     healthy, faulty = facts[1 - rank], facts[rank]
     assert [f["registrations"] for f in facts] == [0, 0], facts
@@ -300,9 +300,9 @@ def test_no_rank_enters_the_registration_when_the_runner_fails_after_the_last_si
 
 @pytest.mark.parametrize("name", ["interrupt-storm-updates@1", "interrupt-storm-sleep-wake@1"])
 def test_an_interrupt_storm_on_one_rank_never_pairs_two_calls(two, name):
-    """0.6.0: the next call failed on at least one rank in 6 of 12 launches, and two calls of
-    different sessions agreed with each other. Here every point is named by its call: the call
-    after the storm ends alike on both ranks, and the one after it completes."""
+    """0.6.0 (issue 41's runs): the next call failed on at least one rank in 6 of 12 launches,
+    and two calls of different sessions agreed with each other. Here every point is named by its
+    call: the call after the storm ends alike on both ranks, and the one after it completes."""
     zero, one = two[name]
     assert zero["outcome"] == one["outcome"] == "ok", (zero["message"], one["message"])
     assert "KeyboardInterrupt" in one["storm"], one["storm"]  # the storm did interrupt

@@ -225,7 +225,8 @@ def test_a_stall_costs_time_or_fails_the_point_alike_and_never_breaks_the_group(
 
 def test_a_rank_frozen_past_twice_the_timeout_right_after_posting_never_splits_a_point():
     """0.6.0's link decided alone at twice the timeout: with rank 1 frozen 2.5 s right after
-    posting at a 1 s timeout, 3 of 20 points split there (rank 0 complete, rank 1 failed). Here
+    posting at a 1 s timeout, 3 of 20 points split there in issue 41's runs (rank 0 complete,
+    rank 1 failed). Here
     rank 1, running again, gives up, and its own add says every post came first. 50 points, in
     five groups at once."""
 

@@ -121,20 +121,18 @@ class CudaGraphBackend:
         step, entry = self.dispatcher.decide(meta, tokens)
         if step.action == CAPTURE:
             return self._capture_and_run(entry, step, tokens, kwargs)
-        if step.action == VERIFY:
+        verifying = step.action == VERIFY
+        if verifying:
             verified = self._first_replay(self, entry, kwargs)
             step = step.replay() if verified else step.eager("memory_moved")
-            self.dispatcher.count(step, tokens)
-            if step.action == REPLAY:
-                out = self._replay(entry, kwargs)
-            else:
-                out = self._eager(step, tokens, kwargs)
-            release_held()  # held at the point: raised once this step ran here as everywhere
-            return out
         self.dispatcher.count(step, tokens)
         if step.action == REPLAY:
-            return self._replay(entry, kwargs)
-        return self._eager(step, tokens, kwargs)
+            out = self._replay(entry, kwargs)
+        else:
+            out = self._eager(step, tokens, kwargs)
+        if verifying:
+            release_held()  # held at the first replay's point: raised once this step ran
+        return out
 
     def _replay(self, entry: GraphEntry, kwargs: dict) -> Any:
         if entry.addresses and self.settings.options.check_addresses:
@@ -296,7 +294,7 @@ class CudaGraphBackend:
         else:
             # The failed session's graphs were discarded: the next session captures in the plan's
             # order from the graphs still held (an interrupted recapture left the order midway).
-            held = sum(1 for e in self.table.decode.values() if e.captured and not e.key.static)
+            held = sum(1 for e in self.table.decode.values() if e.captured)
             self.capturer.rewind(held)
         self.dispatcher.in_session(False)
 

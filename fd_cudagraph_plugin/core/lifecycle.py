@@ -202,7 +202,8 @@ class Lifecycle:
         from fd_cudagraph_plugin.core.errors import CaptureError
 
         local = guards.moved_inputs(entry.addresses, kwargs)
-        index = process.current().backends().index(backend)
+        backends = process.current().backends()
+        index = backends.index(backend) if backend in backends else len(backends)
         try:
             key = entry.key
             name = f"b{index}.{key.phase}{key.size}{'.static' if key.static else ''}"

@@ -151,11 +151,7 @@ class StoreLink:
         body = self._body(point, label, status)
         with contextlib.suppress(StoreError):
             self._retry(lambda: self.store.set(f"{key}/s{self.rank}", body))
-            try:
-                self.store.add(key, 1 << self.rank)
-            except StoreError as error:
-                if error.reconnected and not self.store.add(key, 0) >> self.rank & 1:
-                    self.store.add(key, 1 << self.rank)
+            self.store.add(key, 1 << self.rank)  # not made again: a lost reply may have landed
 
     def agree(self, point: str, label: str, status: Status, timeout: float) -> Agreed:
         key = f"{self.prefix}/{point}"
