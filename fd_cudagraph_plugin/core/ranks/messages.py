@@ -17,7 +17,8 @@ from msgspec import Meta, Struct
 #: status) in one signed 64-bit value of Paddle's store (``verdict.py``). FastDeploy's TP groups
 #: are one node or two (8, 16).
 MAX_RANKS = 20
-#: The largest post, the plan point's (``tests/test_agreement.py`` measures it).
+#: A post's cap. The largest a rank writes is the plan point's, a target and an MTP draft with
+#: every size unwarmed; one over the cap is its rank's failure, never a truncated read.
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
 MAX_TEXT = 2000
