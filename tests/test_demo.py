@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,18 +16,19 @@ def test_demo_serves_every_step_equal_to_eager_on_the_simulated_runtime():
     report = run_demo(sizes=[1, 2, 4, 8], steps=60, seed=3, runtime_name="simulated")
     assert report.mismatches == 0 and report.steps == 60
     assert sum(report.stats["replays"].values()) + report.eager_above_max == 60
+    assert report.stats["eager_fallbacks"].get("oversized_decode", 0) == report.eager_above_max
     text = format_report(report)
     assert "simulated runtime" in text and "0 mismatches in 60 steps -- OK" in text
 
 
 SERVED = re.compile(
     r"served (\d+) decode steps: (\d+) replayed a graph, (\d+) ran eagerly \((\d+) above the "
-    r"largest size, (\d+) tokens, which GraphOptBackend runs eagerly before the backend; (\d+) in "
+    r"largest size, (\d+) tokens, which GraphOptBackend runs without the backend; (\d+) in "
     r"the backend(?:: [^)]*)?\)"
 )
 BACKEND = re.compile(
-    r"the backend, which saw (\d+) of them: (\d+) captures, (\d+) replays, (\d+) padded tokens, "
-    r"(no|\d+) eager steps?"
+    r"the backend, which counted (\d+) of them: (\d+) captures, (\d+) replays, (\d+) padded "
+    r"tokens, (no|\d+) eager steps?"
 )
 CAPTURED = re.compile(r"captured (\d+) graphs \(sizes (\d+)\.\.(\d+)\)")
 
@@ -36,7 +38,8 @@ CAPTURED = re.compile(r"captured (\d+) graphs \(sizes (\d+)\.\.(\d+)\)")
 )
 def test_every_figure_the_demo_prints_agrees_with_the_others(sizes, steps, seed):
     """Captures ran in a capture session and are not served traffic: the served steps are the
-    replays plus the eager steps, and the table, the header and the summary say the same."""
+    replays plus the eager steps, the backend counted every one of them (those GraphOptBackend
+    ran without it too), and the table, the header and the summary say the same."""
     report = run_demo(sizes=sizes, steps=steps, seed=seed, runtime_name="simulated")
     text = format_report(report)
     lines = text.splitlines()
@@ -49,7 +52,8 @@ def test_every_figure_the_demo_prints_agrees_with_the_others(sizes, steps, seed)
     fallbacks = 0 if backend[5] == "no" else int(backend[5])
     assert total == steps == replays + eager and eager == above + in_backend
     assert largest == max(sizes) and (int(captured[2]), int(captured[3])) == (1, max(sizes))
-    assert saw == replays + in_backend and backend_replays == replays and fallbacks == in_backend
+    assert saw == total and backend_replays == replays and fallbacks == eager
+    assert above == report.eager_above_max
     assert captures == int(captured[1]) == len(sizes)
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("size"))
     rows = [line.split() for line in lines[header + 1 : header + 1 + len(sizes)]]
@@ -57,6 +61,32 @@ def test_every_figure_the_demo_prints_agrees_with_the_others(sizes, steps, seed)
     assert sum(int(row[1]) for row in rows) == replays
     assert sum(int(row[2]) for row in rows) == padded
     assert f"replay vs eager: 0 mismatches in {steps} steps -- OK" in text
+
+
+def test_steps_above_the_largest_graph_reach_the_stats_file_as_the_demo_prints_them(
+    monkeypatch, tmp_path
+):
+    """The demo serves each step through the model's call, as FastDeploy's runner does, so a step
+    above the largest graph, which FastDeploy's GraphOptBackend runs without the backend, is
+    counted where a worker counts it: the stats file and stats() (what the metrics copy) say
+    what the screen says."""
+    stats_file = tmp_path / "stats.jsonl"
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(stats_file))
+    report = run_demo(sizes=[1, 2, 4], steps=80, seed=5, runtime_name="simulated")
+    served = SERVED.search(format_report(report))
+    assert served, format_report(report)
+    total, above = int(served[1]), int(served[4])
+    assert total == 80 and above > 0
+    lines = [json.loads(line) for line in stats_file.read_text().splitlines()]
+
+    def steps(value):
+        return value if isinstance(value, int) else sum(value.values())
+
+    in_file = sum(steps(line.get("eager_above_largest", 0)) for line in lines)
+    counted = sum(steps(line["decode_token_counts"]) for line in lines)
+    assert in_file == above == report.eager_above_max, lines
+    assert counted + in_file == total
+    assert report.stats["eager_fallbacks"].get("oversized_decode", 0) == above
 
 
 def test_python_dash_m_demo_exits_zero_and_says_which_runtime():

@@ -2,8 +2,11 @@
 
 It does what FastDeploy's worker does with the backend, in miniature: persistent input buffers
 updated in place, a FastDeploy-shaped config, capture of every size largest first, then a stream
-of decode steps of varying token counts, each routed the way ``GraphOptBackend`` routes it. Every
-step's output is checked against an eager run of the same inputs.
+of decode steps of varying token counts. Every step, captures included, is a call of the model as
+FastDeploy's runner makes it, which goes through the model's ``GraphOptBackend`` (``DemoGraphOpt``)
+to the backend, so the backend counts each step as in a worker (the stats file, metrics,
+``stats()``), those ``GraphOptBackend`` runs without it included. Every step's output is checked
+against an eager run of the same inputs.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class DemoReport:
     runtime_source: str = ""
     steps: int = 0
     mismatches: int = 0
+    #: Served steps the demo's ``GraphOptBackend`` ran without the backend (above the largest
+    #: size), as it counted them; the report prints the backend's count, which must agree.
     eager_above_max: int = 0
     graph_seconds: float = 0.0
     eager_seconds: float = 0.0
@@ -95,6 +100,14 @@ def build_model(vocab: int = 512, hidden: int = 64, layers: int = 4):
             for block in self.blocks:
                 hidden_states = hidden_states + block(hidden_states)
             return self.norm(hidden_states)
+
+        def __call__(self, **kwargs):
+            # FastDeploy's @support_graph_optimization: a decorated model's call goes through its
+            # GraphOptBackend, which the runner never bypasses.
+            graph_opt_backend = self.__dict__.get("graph_opt_backend")
+            if graph_opt_backend is None:
+                return self.forward(**kwargs)
+            return graph_opt_backend(**kwargs)
 
     paddle.seed(0)
     model = TinyDecoder()
@@ -167,6 +180,41 @@ def _equivalent_config(sizes: list[int], max_num_seqs: int, warmups: int) -> Any
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, disable_custom_all_reduce=False),
     )
+
+
+class DemoGraphOpt:
+    """FastDeploy's ``GraphOptBackend`` in miniature (2.5 through develop, dynamic decode): a step
+    its runner did not flag for graphs, or above the largest capture size, runs ``dy_runnable``
+    without the CUDA-graph backend; every other goes to the backend, built at the first call as
+    FastDeploy builds it. The model holds it as ``graph_opt_backend``, where the plugin finds a
+    model's ``GraphOptBackend`` to count the steps it runs alone (``seam.py``)."""
+
+    def __init__(self, runnable: Any, fd_config: Any, runtime: Any) -> None:
+        self.fd_config = fd_config
+        self.runnable = runnable
+        self.dy_runnable = runnable
+        self.runtime = runtime
+        self.largest = max(fd_config.graph_opt_config.cudagraph_capture_sizes)
+        self.cudagraph_piecewise_backend: Any = None
+        #: Steps run without the backend for being above the largest size (the demo's own tally).
+        self.above_largest = 0
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if self.cudagraph_piecewise_backend is None:
+            from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+
+            self.cudagraph_piecewise_backend = CudaGraphBackend(
+                fd_config=self.fd_config,
+                dy_runnable=self.dy_runnable,
+                runnable=self.runnable,
+                runtime=self.runtime,
+            )
+        meta = kwargs["forward_meta"]
+        tokens = meta.ids_remove_padding.shape[0]
+        if not meta.step_use_cudagraph or tokens > self.largest:
+            self.above_largest += tokens > self.largest
+            return self.dy_runnable(**kwargs)
+        return self.cudagraph_piecewise_backend(**kwargs)
 
 
 def _meta_class():
@@ -273,7 +321,6 @@ def run_demo(
 def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: str) -> DemoReport:
     import paddle
 
-    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
     from fd_cudagraph_plugin.core.runtime import make_runtime
     from fd_cudagraph_plugin.core.session import CaptureSession
 
@@ -281,9 +328,8 @@ def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: s
     max_size = sizes[0]
     fd_config = build_fd_config(sizes, max_num_seqs=max_size)
     model = build_model()
-    backend = CudaGraphBackend(
-        fd_config=fd_config, dy_runnable=model.forward, runnable=model.forward, runtime=runtime
-    )
+    graph_opt = DemoGraphOpt(model.forward, fd_config, runtime)
+    model.graph_opt_backend = graph_opt
     meta_class = _meta_class()
     rng = random.Random(seed)
     # Persistent buffer, as FastDeploy's share_inputs: every step writes into it in place and
@@ -300,19 +346,11 @@ def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: s
         meta = meta_class(ids_remove_padding=ids, step_use_cudagraph=tokens > 0)
         return {"ids_remove_padding": ids, "forward_meta": meta}
 
-    def route(kwargs: dict) -> Any:
-        """GraphOptBackend's routing of a decode step (FastDeploy graph_optimization_backend)."""
-        tokens = kwargs["ids_remove_padding"].shape[0]
-        if not kwargs["forward_meta"].step_use_cudagraph or tokens > max_size:
-            report.eager_above_max += tokens > max_size
-            return model.forward(**kwargs)
-        return backend(**kwargs)
-
     with paddle.no_grad():
         # capture_model(): exact sizes, largest first, in a capture session as in FastDeploy.
         with CaptureSession("decode", fd_config=fd_config) as session:
             for size in sizes:
-                route(prepare(size))
+                model(**prepare(size))
         report.capture_summary = session.report.summary()
         progress = _progress(steps)
         for _ in range(steps):
@@ -322,7 +360,7 @@ def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: s
             )
             kwargs = prepare(tokens)
             started = time.perf_counter()
-            out = route(kwargs)[:tokens]
+            out = model(**kwargs)[:tokens]
             runtime.synchronize()
             report.graph_seconds += time.perf_counter() - started
             started = time.perf_counter()
@@ -333,6 +371,8 @@ def _serve(sizes: list[int], steps: int, seed: int, runtime_name: str, source: s
             if not bool(paddle.allclose(out, expected, rtol=1e-5, atol=1e-5)):
                 report.mismatches += 1
         progress.close()
+    backend = graph_opt.cudagraph_piecewise_backend
+    report.eager_above_max = graph_opt.above_largest
     report.stats = backend.stats()
     backend.clear_graph()
     return report
@@ -355,18 +395,24 @@ def format_report(report: DemoReport) -> str:
         )
     stats = report.stats
     lines.append(report.capture_summary)
-    # Every figure is of served steps: the captures ran in a capture session, and the backend
-    # counts those runs apart (stats()["capture_time"]).
+    # Every figure is of served steps, as the backend counted them (what its stats file and
+    # metrics say): the captures ran in a capture session, counted apart
+    # (stats()["capture_time"]), and the steps GraphOptBackend ran without the backend, above
+    # the largest size, are its "oversized_decode" steps.
     replays = sum(stats["replays"].values())
-    in_backend = sum(stats["eager_fallbacks"].values())
-    reasons = ", ".join(f"{why} {n}" for why, n in sorted(stats["eager_fallbacks"].items()))
+    fallbacks = dict(stats["eager_fallbacks"])
+    above = fallbacks.pop("oversized_decode", 0)
+    in_backend = sum(fallbacks.values())
+    reasons = ", ".join(f"{why} {n}" for why, n in sorted(fallbacks.items()))
     lines.append(
         f"served {plural(report.steps, 'decode step')}: {replays} replayed a graph, "
-        f"{report.eager_above_max + in_backend} ran eagerly ({report.eager_above_max} above the "
-        f"largest size, {plural(report.sizes[0], 'token')}, which GraphOptBackend runs eagerly "
-        f"before the backend; {in_backend} in the backend{f': {reasons}' if reasons else ''})"
+        f"{above + in_backend} ran eagerly ({above} above the largest size, "
+        f"{plural(report.sizes[0], 'token')}, which GraphOptBackend runs without the backend; "
+        f"{in_backend} in the backend{f': {reasons}' if reasons else ''})"
     )
-    lines.append(format_table(stats, f"the backend, which saw {replays + in_backend} of them"))
+    lines.append(
+        format_table(stats, f"the backend, which counted {replays + above + in_backend} of them")
+    )
     if report.real_graphs:
         lines.append(
             f"step time: graph {report.graph_seconds / max(report.steps, 1) * 1e3:.3f} ms, "
