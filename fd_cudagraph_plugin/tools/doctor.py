@@ -441,17 +441,48 @@ def check_unknown_options(
 # ------------------------------------------------------------------ what the plugin writes
 
 
+class NameTooLong(ValueError):
+    """A file or directory name, or a whole path, longer than the file system takes."""
+
+
+def _limits(directory: str) -> tuple[int, int]:
+    """The longest name and path, in bytes, the file system of ``directory`` takes (Linux's
+    NAME_MAX and PATH_MAX where it does not say)."""
+    limits = []
+    for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", MAX_PATH)):
+        try:
+            limits.append(os.pathconf(directory, name))
+        except (OSError, ValueError):
+            limits.append(default)
+    return limits[0], limits[1]
+
+
 def probe_writable(path: str) -> None:
     """Create and remove a file where ``path`` would be written (its nearest existing directory):
-    what ``os.access`` cannot tell (root on ``/proc``, a read-only mount). A worker's start
-    creates nothing; only the doctor does this."""
+    what ``os.access`` cannot tell (root on ``/proc``, a read-only mount). The names still to be
+    made are checked against the file system's limits, which a probe file of its own name cannot
+    tell (``NameTooLong``). A worker's start creates nothing; only the doctor does this."""
     import tempfile
 
-    ancestor = os.path.dirname(os.path.abspath(rank_zero_path(path)))
+    target = os.path.abspath(rank_zero_path(path))
+    ancestor = os.path.dirname(target)
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{ancestor} is a file, so no directory can be made below it")
+    name_max, path_max = _limits(ancestor)
+    for name in os.path.relpath(target, ancestor).split(os.sep):
+        size = len(os.fsencode(name))
+        if size > name_max:
+            raise NameTooLong(
+                f"the name {shown(name[:16] + '...')} is {size} bytes, longer than the "
+                f"{name_max} bytes this file system takes for one name (NAME_MAX)"
+            )
+    if len(os.fsencode(target)) >= path_max:
+        raise NameTooLong(
+            f"the path is {len(os.fsencode(target))} bytes, longer than the {path_max - 1} bytes "
+            "this file system takes for a whole path (PATH_MAX)"
+        )
     try:
         with tempfile.TemporaryFile(dir=ancestor):
             pass
@@ -502,6 +533,13 @@ def _outputs(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     return found
 
 
+def _setting(what: str) -> str:
+    """The setting that places the output ``what`` of ``_outputs``."""
+    if what in PATH_OPTIONS:
+        return what
+    return "PROMETHEUS_MULTIPROC_DIR" if what.startswith("metrics") else "FD_LOG_DIR"
+
+
 def check_outputs(environ: Mapping[str, str], earlier: Earlier | None = None) -> CheckResult:
     """FD_LOG_DIR and every path the plugin writes: a directory there, or one that can be made,
     and a file can be created in it. Relative paths are said resolved, from here."""
@@ -524,7 +562,7 @@ def check_outputs(environ: Mapping[str, str], earlier: Earlier | None = None) ->
             "cannot be written under it.",
             "set FD_LOG_DIR to a directory, or move the file away.",
         )
-    problems, places, special = [], [], []
+    problems, places, special, too_long = [], [], [], []
     for what, path in _outputs(environ):
         directory = os.path.dirname(os.path.abspath(path))
         if os.path.exists(path) and not os.path.isfile(path):
@@ -535,6 +573,8 @@ def check_outputs(environ: Mapping[str, str], earlier: Earlier | None = None) ->
             probe_writable(path)
         except ValueError as error:
             problems.append(f"{what} under {directory}: {error}")
+            if isinstance(error, NameTooLong) and _setting(what) not in too_long:
+                too_long.append(_setting(what))
         else:
             places.append(f"{what} under {directory}")
     state = (
@@ -542,13 +582,23 @@ def check_outputs(environ: Mapping[str, str], earlier: Earlier | None = None) ->
     )
     detail = f"{where} {_resolved(log_dir)} ({state})"
     if problems:
+        fixes = []
+        if len(problems) > len(too_long):
+            fixes.append(
+                "make those directories writable for the user that runs FastDeploy, or point "
+                "FD_LOG_DIR and the FD_CUDAGRAPH_* paths elsewhere"
+            )
+        if too_long:
+            fixes.append(
+                f"give {' and '.join(too_long)} a shorter name: each file or directory name, and "
+                "the whole path, within the file system's limit the line names"
+            )
         return CheckResult(
             name,
             FAIL,
             f"{detail}; cannot write: {'; '.join(problems)}. A failed write is counted and logged "
             "once, and serving goes on without it.",
-            "make those directories writable for the user that runs FastDeploy, or point "
-            "FD_LOG_DIR and the FD_CUDAGRAPH_* paths elsewhere.",
+            "; ".join(fixes) + ".",
         )
     if special:
         return CheckResult(
