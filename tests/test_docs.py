@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from fd_cudagraph_plugin.core.options import OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +27,20 @@ def test_every_option_is_in_the_readme_table_with_its_values():
 
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert 'pip install -e ".[test]" && python -m pytest -q' in README
-    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q" in ci
+    assert 'pip install -e ".[test]" && python -m pytest -q\n' in README
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q" in ci.splitlines()
+
+
+def test_the_readme_test_command_runs_in_a_temporary_directory_of_its_own(
+    request, tmp_path_factory
+):
+    """Another pytest of the same user rotates pytest's shared /tmp/pytest-of-<user> and once
+    removed this run's files mid-run; the README's command, without --basetemp, never uses it."""
+    made = getattr(request.config, "_fd_cudagraph_basetemp", None)
+    if made is None:
+        pytest.skip("--basetemp named this run's directory")
+    basetemp = tmp_path_factory.getbasetemp()
+    assert basetemp == Path(made).resolve() and "pytest-of-" not in str(basetemp)
 
 
 def test_design_doc_keeps_rules_and_dated_figures_not_version_history():
