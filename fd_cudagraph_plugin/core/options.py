@@ -206,12 +206,6 @@ def rank_zero_path(template: str) -> str:
 PATH_OPTIONS = ("FD_CUDAGRAPH_MEMORY_REPORT", "FD_CUDAGRAPH_STATS_FILE")
 
 
-def _ascii_digits(text: str) -> bool:
-    """Decimal digits as an operator types them: ``isdigit()`` also takes Arabic-Indic digits
-    and superscripts, which ``int()`` reads (or refuses) differently."""
-    return 0 < len(text) <= 6 and text.isascii() and text.isdigit()
-
-
 def _sampling(text: str) -> int:
     """``off`` -> 0, ``always`` -> 1, ``sampled:N`` -> N (check one replay in N)."""
     text = text.lower()

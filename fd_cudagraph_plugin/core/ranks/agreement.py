@@ -439,10 +439,6 @@ def _s(ranks: list[int]) -> str:
     return "s" if len(ranks) > 1 else ""
 
 
-def _their(ranks: list[int]) -> str:
-    return "their" if len(ranks) > 1 else "its"
-
-
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
