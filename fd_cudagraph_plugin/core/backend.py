@@ -13,8 +13,9 @@ arguments, ``forward_meta`` among them. This class is that contract (``__init__`
 * ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode).
 
 What a capture session asks of a backend is ``session.SessionBackend``, what the lifecycle asks
-``lifecycle.Graphs``; the rest of a worker's process (the reporter, metrics, the capture-loop and
-lifecycle hooks, the check of a graph's first replay after a lifecycle call) is ``hooks.adopt``'s.
+``lifecycle.LifecycleBackend``; the rest of a worker's process (the reporter, metrics, the
+capture-loop and lifecycle hooks, the check of a graph's first replay after a lifecycle call) is
+``hooks.adopt``'s.
 
 Graph outputs are the tensors the captured run returned. They live in graph memory, the same
 objects come back on every replay of that size, and the next replay overwrites them: FastDeploy's

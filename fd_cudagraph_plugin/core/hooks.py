@@ -82,10 +82,10 @@ def install() -> bool:
             method = runner.__dict__.get(name)
             if method is not None and not hasattr(method, "_fd_cudagraph_original"):
                 setattr(runner, name, _in_session(method, phase))
-        for name, servable in seam.LIFECYCLE:
-            method = runner.__dict__.get(name)
+        for call in seam.LIFECYCLE:
+            method = runner.__dict__.get(call.name)
             if method is not None and not hasattr(method, "_fd_cudagraph_original"):
-                setattr(runner, name, lifecycle.wrap(method, name, servable))
+                setattr(runner, call.name, lifecycle.wrap(method, call.name, call.servable))
     for gpu_worker in seam.loaded_workers():
         method = gpu_worker.__dict__.get("determine_available_memory")
         if method is not None and not hasattr(method, "_fd_cudagraph_original"):
@@ -103,7 +103,7 @@ def watch() -> None:
 
 def uninstall() -> None:
     wrapped = [(r, n) for r in seam.loaded_runners() for n, _ in seam.CAPTURE_LOOPS]
-    wrapped += [(r, n) for r in seam.loaded_runners() for n, _ in seam.LIFECYCLE]
+    wrapped += [(r, c.name) for r in seam.loaded_runners() for c in seam.LIFECYCLE]
     wrapped += [(w, "determine_available_memory") for w in seam.loaded_workers()]
     wrapped += [(w, seam.START_UP) for w in seam.loaded_workers()]
     for owner, name in wrapped:

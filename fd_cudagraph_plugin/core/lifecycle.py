@@ -37,7 +37,7 @@ from fd_cudagraph_plugin.core.ranks.messages import Moved, text
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 
-class Serving(Protocol):
+class LifecycleDispatcher(Protocol):
     """What the lifecycle tells a backend's dispatcher (``dispatch.Dispatcher``)."""
 
     def suspect(self) -> None: ...
@@ -47,13 +47,13 @@ class Serving(Protocol):
     def mark_stale(self) -> None: ...
 
 
-class Graphs(Protocol):
+class LifecycleBackend(Protocol):
     """What the lifecycle asks of a backend (``backend.CudaGraphBackend``)."""
 
     role: str
     layer: object
     fd_config: Any
-    dispatcher: Serving
+    dispatcher: LifecycleDispatcher
 
     def has_graphs(self, prefill: bool = False) -> bool: ...
 
@@ -64,7 +64,7 @@ class Graphs(Protocol):
 
 #: The check a backend runs at each graph's first replay after a lifecycle call: True when the
 #: graph may replay (``Lifecycle.first_replay``).
-FirstReplay = Callable[[Graphs, Any, dict], bool]
+FirstReplay = Callable[[LifecycleBackend, Any, dict], bool]
 
 
 class Lifecycle:
@@ -130,7 +130,7 @@ class Lifecycle:
         skipped the point would leave the others waiting, or meet their next one. The exception is
         a call that raised an error every rank already agreed on (a capture session inside it
         failed): each rank raised it at the same point."""
-        backends: list[Graphs] = process.current().backends()
+        backends: list[LifecycleBackend] = process.current().backends()
         if not backends:
             return
         for backend in backends:
@@ -169,7 +169,9 @@ class Lifecycle:
 
     # -------------------------------------------------------------------- capture sessions
 
-    def captured(self, phase: str, members: Sequence[Graphs], runner: Any) -> list[str] | None:
+    def captured(
+        self, phase: str, members: Sequence[LifecycleBackend], runner: Any
+    ) -> list[str] | None:
         """A capture session of ``phase`` ended with graphs: note where they read memory, and
         return what moved since the capture before (None: there was none)."""
         self.released_after = None
@@ -193,7 +195,7 @@ class Lifecycle:
 
     # -------------------------------------------------------------------- first replays
 
-    def first_replay(self, backend: Graphs, entry: Any, kwargs: dict) -> bool:
+    def first_replay(self, backend: LifecycleBackend, entry: Any, kwargs: dict) -> bool:
         """The first replay of ``entry`` since a lifecycle call: its inputs are where its capture
         saw them on every rank (agreed: ranks must not mix replays and eager steps), or every
         graph of the process is released. Never raises: a step that cannot agree runs eagerly
@@ -230,13 +232,13 @@ class Lifecycle:
 
     # -------------------------------------------------------------------- what it does
 
-    def moved(self, backend: Graphs, runner: Any) -> list[str]:
+    def moved(self, backend: LifecycleBackend, runner: Any) -> list[str]:
         """What ``backend``'s graphs read that is no longer where it was at their capture."""
         before = self._fingerprints[backend]
         now = moved.now(before, backend.layer, seam.input_buffers(runner), seam.custom_allreduce())
         return before.moved(now)
 
-    def _release(self, backends: list[Graphs], event: str, why: str) -> None:
+    def _release(self, backends: list[LifecycleBackend], event: str, why: str) -> None:
         """Release every graph of the process (every rank does, at the same point): decode steps
         run eagerly as ``memory_moved`` until a capture session, which the next call that can
         serve runs, prefill graphs included when there were some."""
@@ -256,7 +258,9 @@ class Lifecycle:
             backend.dispatcher.mark_stale()
         self.released_after = self.released_after or event
 
-    def _recapture(self, backends: list[Graphs], runner: Any, event: str, what: str) -> None:
+    def _recapture(
+        self, backends: list[LifecycleBackend], runner: Any, event: str, what: str
+    ) -> None:
         prefill = self.released_prefill or any(b.has_graphs(prefill=True) for b in backends)
         if what:
             logger.info(
@@ -321,4 +325,4 @@ def _runner_of(owner: Any) -> Any:
     return getattr(owner, "model_runner", owner)
 
 
-__all__ = ["FirstReplay", "Graphs", "Lifecycle", "state", "wrap"]
+__all__ = ["FirstReplay", "Lifecycle", "LifecycleBackend", "LifecycleDispatcher", "state", "wrap"]

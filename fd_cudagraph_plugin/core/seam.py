@@ -18,7 +18,7 @@ import logging
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from fd_cudagraph_plugin.core.moved import tensors_in
 
@@ -337,18 +337,24 @@ def _holds(model: Any, layer: object) -> bool:
 
 # ------------------------------------------------------------------------ the lifecycle
 
-#: The runner's calls that free or re-make what a graph reads, and what each leaves:
-#: ``True`` when the model can serve (and so capture) right after it, ``False`` when its weights
-#: or KV cache are gone until a later call. ``sleep``, ``wakeup`` and ``update_weights`` exist from
-#: 2.5 (``r3_cherry_pick_2.5`` has no ``sleep`` or ``wakeup``); ``clear_parameters`` and
-#: ``update_parameters`` (the legacy RL path) on every release. ``GpuWorker.sleep``, ``wakeup``
-#: and ``update_weights`` only delegate to these.
+
+class LifecycleCall(NamedTuple):
+    """A runner call that frees or re-makes what a graph reads; ``servable``: the model can serve
+    (and so capture) right after it, else its weights or KV cache are gone until a later call."""
+
+    name: str
+    servable: bool
+
+
+#: ``sleep``, ``wakeup`` and ``update_weights`` exist from 2.5 (``r3_cherry_pick_2.5`` has no
+#: ``sleep`` or ``wakeup``); ``clear_parameters`` and ``update_parameters`` (the legacy RL path) on
+#: every release. ``GpuWorker.sleep``, ``wakeup`` and ``update_weights`` only delegate to these.
 LIFECYCLE = (
-    ("sleep", False),
-    ("wakeup", True),
-    ("clear_parameters", False),
-    ("update_parameters", True),
-    ("update_weights", True),
+    LifecycleCall("sleep", servable=False),
+    LifecycleCall("wakeup", servable=True),
+    LifecycleCall("clear_parameters", servable=False),
+    LifecycleCall("update_parameters", servable=True),
+    LifecycleCall("update_weights", servable=True),
 )
 #: The worker's start-up: on 2.6 and develop, with ``FD_DETERMINISTIC_MODE=1``, it calls
 #: ``share_inputs.reset_share_inputs()`` after ``capture_model()``: a new ``rope_emb``.

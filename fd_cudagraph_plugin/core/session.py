@@ -54,7 +54,7 @@ from fd_cudagraph_plugin.core.warmups import WarmedSizes
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 
-class SessionBackend(lifecycle.Graphs, Protocol):
+class SessionBackend(lifecycle.LifecycleBackend, Protocol):
     """What a session asks of each backend taking part in it."""
 
     settings: Settings

@@ -66,8 +66,8 @@ class Participant(Protocol):
     mode: Mode
 
 
-class Key(Protocol):
-    """A graph's key as a point names it (``graphs.GraphKey``)."""
+class Subject(Protocol):
+    """The graph a point is about, as the point names it (``graphs.GraphKey``)."""
 
     phase: str
     static: bool
@@ -171,7 +171,7 @@ class Agreement:
         return self.link.world
 
     def run(
-        self, stage: str, participant: Participant | None, key: Key | None, fn: Callable[[], T]
+        self, stage: str, participant: Participant | None, key: Subject | None, fn: Callable[[], T]
     ) -> T:
         """Run ``fn`` on this rank, then agree: raise the same ``CaptureError`` on every rank if
         it failed on any; else return ``fn``'s result."""
@@ -183,7 +183,7 @@ class Agreement:
         self,
         stage: str,
         participant: Participant | None,
-        key: Key | None,
+        key: Subject | None,
         fn: Callable[[], Any],
         kind: type | tuple[type, ...],
     ) -> list[Any]:
@@ -473,7 +473,7 @@ _SESSION_STAGES = {
 }
 
 
-def _mode(participant: Participant | None, key: Key | None, stage: str) -> str:
+def _mode(participant: Participant | None, key: Subject | None, stage: str) -> str:
     if participant is None:
         return _SESSION_STAGES.get(
             stage, "between two agreement points, in FastDeploy's capture loop"
