@@ -88,7 +88,7 @@ def rank_main(args: argparse.Namespace) -> int:
     # apart, and every round reuses the link.
     state = process.reset_for_tests()
     started = time.perf_counter()
-    real_link_for(make_config_for(world, index, group, make_config), _options())
+    real_link_for(make_config_for(world, index, group, make_config), state)
     join_seconds = time.perf_counter() - started
     links = dict(state.links)
     times: dict[str, list[float]] = {
@@ -100,17 +100,18 @@ def rank_main(args: argparse.Namespace) -> int:
     calls = 0
     for _ in range(args.rounds):
         for arm in times:
-            process.reset_for_tests().links.update(links)
+            fresh = process.reset_for_tests()
+            fresh.links.update(links)
             # Each session as a later lifecycle call of the same worker: its points are named
             # after that call (a fresh process state would name them as the first call's again).
             calls += 1
-            lifecycle.state().calls = calls
+            lifecycle.state(fresh).calls = calls
             runtime.install_runtime(TestRuntime())
             communication._TP_AR = CustomAllreduce(group, initialized=True)
             session.link_for = (
                 real_link_for
                 if arm == "agreement"
-                else (lambda fd_config, options: NoAgreement(index, world))
+                else (lambda fd_config, worker: NoAgreement(index, world))
             )
             session.CaptureSession.__enter__ = (
                 registering_per_graph if arm == "FastDeploy's registrations" else enter
@@ -137,12 +138,6 @@ def make_config_for(world, index, group, make_config):
     config.parallel_config.tensor_parallel_rank = index
     config.parallel_config.tp_group = group
     return config
-
-
-def _options():
-    from fd_cudagraph_plugin.core.options import PluginOptions
-
-    return PluginOptions.from_env()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ def main() -> int:
     from simulated import TestRuntime
 
     from fd_cudagraph_plugin import plugin
-    from fd_cudagraph_plugin.core import lifecycle, moved, runtime, seam
+    from fd_cudagraph_plugin.core import lifecycle, moved, process, runtime, seam
 
     logging.getLogger("fd_cudagraph_plugin").setLevel(logging.WARNING)
     plugin.register()
@@ -74,7 +74,7 @@ def main() -> int:
             (f"forward_meta.caches[{i}]", t.data_ptr())
             for i, t in enumerate(runner.share_inputs["caches"])
         )
-    owner = lifecycle.state()
+    owner = lifecycle.state(process.current())
     owner.captured("decode", [backend], runner)
     taken = moved.at_capture(
         backend.layer, seam.input_buffers(runner), backend.input_addresses(), None

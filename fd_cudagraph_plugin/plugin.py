@@ -43,6 +43,7 @@ def register() -> None:
     seam.log_to_worker_log()
     if options.backend == "native":
         _log_once(
+            state,
             "fd-cudagraph-plugin installed but FD_CUDAGRAPH_BACKEND=native: FastDeploy %s keeps "
             "its own CUDA-graph backend.",
             seam.version(),
@@ -51,6 +52,7 @@ def register() -> None:
     blocker = seam.cuda_runtime_blocker() if options.runtime == "cuda" else None
     if blocker is not None:
         _log_once(
+            state,
             "fd-cudagraph-plugin %s stands aside: %s, and its CUDA runtime drives NVIDIA CUDA "
             "graphs only. FastDeploy %s keeps its own CUDA-graph backend and runners.",
             __version__,
@@ -92,8 +94,7 @@ def non_default_options(environ) -> str:
     return ", ".join(changed) if changed else "all defaults"
 
 
-def _log_once(message: str, *args: object) -> None:
-    state = process.current()
+def _log_once(state: process.WorkerProcess, message: str, *args: object) -> None:
     if not state.announced:
         state.announced = True
         logger.info(message, *args)

@@ -106,7 +106,7 @@ def _isolated_environment(monkeypatch):
     plugin.reset_for_tests()
     current_platform.device_name = None
     hooks.uninstall()
-    observability.stop_reporter()
+    observability.stop_reporter(process.current())
     process.reset_for_tests()
 
 

@@ -22,7 +22,7 @@ def main() -> int:
     assert os.environ["PROMETHEUS_MULTIPROC_DIR"]
     from conftest import Buffers, TinyBackbone, make_config
 
-    from fd_cudagraph_plugin.core import observability
+    from fd_cudagraph_plugin.core import observability, process
     from fd_cudagraph_plugin.core.backend import CudaGraphBackend
     from fd_cudagraph_plugin.core.ranks.link import LocalLink
     from fd_cudagraph_plugin.core.session import CaptureSession
@@ -40,7 +40,8 @@ def main() -> int:
             backend(**buffers.step(size))
     for tokens in (3, 3, 1, 0, 6):
         backend(**buffers.step(tokens))
-    observability.publish_metrics()  # what the reporter thread runs every few seconds
+    # What the reporter thread runs every few seconds.
+    observability.publish_metrics(process.current())
     for tokens in (4, 2, 3):
         backend(**buffers.step(tokens))
     print(json.dumps(backend.stats()))

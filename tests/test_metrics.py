@@ -102,7 +102,7 @@ def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(tmp_pa
 def test_without_a_multiprocess_dir_metrics_are_in_the_default_registry(sim, metrics_on):
     gc.collect()  # backends of earlier tests, still alive, would be published with this one
     backend, _ = served_backend()
-    observability.publish_metrics()
+    observability.publish_metrics(process.current())
     assert sample("fd_cudagraph_replays_total", backend, size="4") == 3  # capture step + 3, 3
     assert sample("fd_cudagraph_captures_total", backend) == 3
     assert sample("fd_cudagraph_graph_memory_bytes", backend, size="2") == 64
@@ -112,7 +112,7 @@ def test_without_a_multiprocess_dir_metrics_are_in_the_default_registry(sim, met
 
 def test_metrics_are_absent_unless_switched_on(sim):
     served_backend()
-    observability.publish_metrics()
+    observability.publish_metrics(process.current())
     assert not observability.enabled()
     assert b"fd_cudagraph_" not in prometheus_client.generate_latest()
 
@@ -132,12 +132,12 @@ def test_counters_grow_by_the_delta_and_released_graphs_drop_to_zero(sim, metric
 
 def test_replay_path_writes_no_metric(sim, metrics_on):
     backend, buffers = served_backend()
-    observability.publish_metrics()
+    observability.publish_metrics(process.current())
     before = sample("fd_cudagraph_replays_total", backend, size="4")
     for _ in range(3):
         backend(**buffers.step(4))
     assert sample("fd_cudagraph_replays_total", backend, size="4") == before
-    observability.publish_metrics()
+    observability.publish_metrics(process.current())
     assert sample("fd_cudagraph_replays_total", backend, size="4") == before + 3
 
 
@@ -162,8 +162,8 @@ def test_a_failing_publish_is_logged_once_counted_and_never_raised(
 
     monkeypatch.setattr(observability, "publish", broken)
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
-        observability.publish_metrics()
-        observability.publish_metrics()
+        observability.publish_metrics(process.current())
+        observability.publish_metrics(process.current())
     assert failures["FD_CUDAGRAPH_METRICS"] == 2
     lines = [r.getMessage() for r in caplog.records if "FD_CUDAGRAPH_METRICS" in r.getMessage()]
     assert len(lines) == 1 and "No space left on device" in lines[0]

@@ -62,7 +62,7 @@ def test_module_level_aggregate_sums_every_backend(sim):
     capture_all(first, buffers)
     capture_all(second, buffers)
     first(**buffers.step(3))
-    totals = observability.aggregate()
+    totals = observability.aggregate(process.current())
     ours = {f"{id(first):#x}", f"{id(second):#x}"}
     assert ours <= set(totals["backends"])
     others = [s for key, s in totals["backends"].items() if key not in ours]
@@ -316,7 +316,7 @@ def test_counters_can_be_read_by_another_thread_while_serving_inserts_new_keys(s
             while not done.is_set():
                 backend.stats()
                 backend.observed_keys()
-                observability.aggregate()
+                observability.aggregate(process.current())
                 writer.flush(backend)
         except BaseException as error:  # the failure under test
             errors.append(error)

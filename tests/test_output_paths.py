@@ -14,7 +14,7 @@ import pytest
 from conftest import Buffers, TinyBackbone, make_config
 
 from fd_cudagraph_plugin import plugin
-from fd_cudagraph_plugin.core import observability, outputs, session
+from fd_cudagraph_plugin.core import observability, outputs, process, session
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.tools import doctor
@@ -203,7 +203,7 @@ def test_a_stats_file_that_is_no_regular_file_is_logged_once_and_clear_graph_sti
     with caplog.at_level(logging.WARNING, logger="fd_cudagraph_plugin"):
         backend.flush_stats()
         backend.clear_graph()
-        observability.flush_all()
+        observability.flush_all(process.current())
     assert sim.live_graphs == 0 and backend.stats()["graph_bytes"] == {}
     assert failures["FD_CUDAGRAPH_STATS_FILE"] == 3
     warnings = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]

@@ -3,19 +3,12 @@
 ``GraphOptBackend`` builds one instance per decorated backbone (target model and MTP draft each
 have one) on the first forward with CUDA graphs on, and calls it with the model's keyword
 arguments, ``forward_meta`` among them. This class is that contract (``__init__``, ``__call__``,
-``clear_graph``, ``check_capture_successful``, ``stats()``) and composes:
-
-* ``mode.py``: the execution mode, which answers every mode question;
-* ``graphs.py``: the graph table;
-* ``dispatch.py``: the one place that decides a step's graph and counts every step, and the fast
-  path serving it;
-* ``capture.py``: capturing one entry, with the ranks' agreement points (``ranks/``);
-* ``dy2st.py``: Paddle-managed graphs, and SOT's verdict on the model (static full mode).
-
-What a capture session asks of a backend is ``session.SessionBackend``, what the lifecycle asks
-``lifecycle.LifecycleBackend``; the rest of a worker's process (the reporter, metrics, the
-capture-loop and lifecycle hooks, the check of a graph's first replay after a lifecycle call) is
-``hooks.adopt``'s.
+``clear_graph``, ``check_capture_successful``, ``stats()``), composed of small parts: the mode,
+the graph table, the dispatcher (which decides and counts every step, and serves the fast path),
+the capture of a step (``capture.py``), and the process's ``lifecycle.Lifecycle``, handed to it
+at construction, which checks a graph's first replay after a lifecycle call and releases every
+graph of the process. What a session and the lifecycle ask of a backend are
+``session.SessionBackend`` and ``lifecycle.LifecycleBackend``.
 
 Graph outputs are the tensors the captured run returned. They live in graph memory, the same
 objects come back on every replay of that size, and the next replay overwrites them: FastDeploy's
@@ -28,15 +21,13 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fd_cudagraph_plugin.core import hooks, observability, process, seam
-from fd_cudagraph_plugin.core.capture import Capturer, register, self_checks
+from fd_cudagraph_plugin.core import hooks, lifecycle, observability, process
+from fd_cudagraph_plugin.core.capture import Capturer
 from fd_cudagraph_plugin.core.dispatch import CAPTURE, REPLAY, VERIFY, Dispatcher
-from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
-from fd_cudagraph_plugin.core.errors import CaptureError, CaptureIncompleteError, ConfigError
-from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, GraphEntry, GraphTable, Step
+from fd_cudagraph_plugin.core.errors import CaptureIncompleteError, ConfigError
+from fd_cudagraph_plugin.core.graphs import GraphEntry, GraphTable, Step
 from fd_cudagraph_plugin.core.mode import Mode
-from fd_cudagraph_plugin.core.ranks.agreement import Agreement, release_held, solo
-from fd_cudagraph_plugin.core.ranks.messages import text
+from fd_cudagraph_plugin.core.ranks.agreement import release_held
 from fd_cudagraph_plugin.core.runtime import GraphRuntime, get_runtime
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.warmups import WarmedSizes
@@ -80,11 +71,9 @@ class CudaGraphBackend:
         self.layer = getattr(self.dy_runnable, "__self__", None)
         self.runtime = runtime if runtime is not None else get_runtime(settings.options.runtime)
         #: The mode as decided so far: in static full mode the ranks agree at the first decode
-        #: capture who captures decode (``_decide_static_decode``).
+        #: capture who captures decode (``capture.py``).
         self.mode = settings.mode
-        self._static = StaticGraphDriver() if self.mode.paddle_graphs else None
-        self._outputs = worker.outputs
-        self.capturer = Capturer(settings, self.runtime, self._static, self._outputs)
+        self.capturer = Capturer(settings, self.runtime, worker)
         self.table = GraphTable(self.mode)
         self.dispatcher = Dispatcher(
             self.mode, self.table, settings.options.check_addresses, self._general
@@ -96,7 +85,8 @@ class CudaGraphBackend:
         #: The report of the last capture session this backend took part in.
         self.capture_report: CaptureReport | None = None
         self._warned: set[tuple[str, int]] = set()
-        self._stats_file = observability.stats_file(settings, self._outputs)
+        path = settings.options.stats_file
+        self._stats_file = observability.StatsFile(path, settings, worker.outputs) if path else None
         if settings.padding_disagreements:
             tokens, theirs, ours = settings.padding_disagreements[0]
             logger.warning(
@@ -108,8 +98,10 @@ class CudaGraphBackend:
                 theirs,
                 ours,
             )
-        #: The check of each graph's first replay after a lifecycle call (``lifecycle.py``).
-        self._first_replay = hooks.adopt(self)
+        #: The process's lifecycle: it checks each graph's first replay after a lifecycle call,
+        #: and releases every graph of the process at ``clear_graph``.
+        self._lifecycle = lifecycle.state(worker)
+        hooks.adopt(worker, self)
 
     # ------------------------------------------------------------------ the hot path
 
@@ -121,33 +113,34 @@ class CudaGraphBackend:
     def _general(self, kwargs: dict, meta: Any, tokens: int) -> Any:
         step, entry = self.dispatcher.decide(meta, tokens)
         if step.action == CAPTURE:
-            return self._capture_and_run(entry, step, tokens, kwargs)
+            return self.capturer.capture_step(self, self._session, step, entry, tokens, kwargs)
         verifying = step.action == VERIFY
         if verifying:
-            verified = self._first_replay(self, entry, kwargs)
+            verified = self._lifecycle.first_replay(self, entry, kwargs)
             step = step.replay() if verified else step.eager("memory_moved")
-        self.dispatcher.count(step, tokens)
         if step.action == REPLAY:
-            out = self._replay(entry, kwargs)
+            self.dispatcher.count(step, tokens)
+            out = self.replay(entry, kwargs)
         else:
-            out = self._eager(step, tokens, kwargs)
+            out = self.eager(step, tokens, kwargs)
         if verifying:
-            release_held()  # held at the first replay's point: raised once this step ran
+            release_held(self._worker)  # held at the first replay's point: raised now
         return out
 
-    def _replay(self, entry: GraphEntry, kwargs: dict) -> Any:
+    def replay(self, entry: GraphEntry, kwargs: dict) -> Any:
         if entry.addresses and self.settings.options.check_addresses:
             from fd_cudagraph_plugin.core import guards
 
             guards.check_addresses(entry.addresses, kwargs, entry.size)
         if entry.graph is None:
-            return self._static.replay(self.runnable, kwargs, entry.size)
+            return self.capturer.static.replay(self.runnable, kwargs, entry.size)
         entry.replay()
         return entry.result
 
-    def _eager(self, step: Step, tokens: int, kwargs: dict) -> Any:
-        """Run the step without a graph through ``dy_runnable``, as FastDeploy runs every step it
-        does not graph (the dispatcher counted it), with one warning per reason and shape."""
+    def eager(self, step: Step, tokens: int, kwargs: dict) -> Any:
+        """Count the step and run it without a graph through ``dy_runnable``, as FastDeploy runs
+        every step it does not graph, with one warning per reason and shape."""
+        self.dispatcher.count(step, tokens)
         reason = step.reason
         quiet = reason in ("prefill", "memory_moved", "unregistered")  # said once elsewhere
         if not quiet and (reason, tokens) not in self._warned and self._session is None:
@@ -167,59 +160,7 @@ class CudaGraphBackend:
             )
         return self.dy_runnable(**kwargs)
 
-    # ------------------------------------------------------------------ capture
-
-    def _capture_and_run(self, entry: GraphEntry, step: Step, tokens: int, kwargs: dict) -> Any:
-        session = self._session
-        if session is None:
-            if self._worker.sessions_ended or self.settings.tp_size > 1:
-                # A capture on this rank alone, outside FastDeploy's capture loop, would hang
-                # tensor-parallel peers; after capture_model() every new size runs eagerly.
-                return self._eager_now(step.eager("late_capture"), tokens, kwargs)
-            points = solo(self.settings.options.rank_timeout)
-            warmups, ordered = self.settings.num_warmups, True
-        else:
-            session.before_capture(self)
-            points = session.agreement
-            warmups, ordered = session.warmups_for(self, entry.key), session.ordered
-        if entry.phase == DECODE and self.mode.undecided:
-            self._decide_static_decode(kwargs, points)  # the decode entries are built anew
-            step = self.dispatcher.route(kwargs["forward_meta"], tokens)
-            entry = self.table.entry(step.key)
-        runnable = self.runnable if entry.key.static else self.dy_runnable
-        captured = self.capturer.capture(
-            self, entry.key, runnable, kwargs, points, warmups=warmups, ordered=ordered
-        )
-        entry.fill(captured)
-        self.warmed.add(entry.key)
-        if session is not None:
-            session.record(
-                self, entry.key, captured.seconds, captured.graph_bytes, captured.warmups
-            )
-            if session.registers:
-                # Its all-reduce buffers are registered with the session's others, at its end;
-                # until then the step's result is the last warm-up's, run on the same inputs.
-                session.unregistered(self, entry, kwargs)
-                self.dispatcher.count(step.eager("unregistered"), tokens)
-                if captured.eager is not NOTHING:
-                    return captured.eager
-                return self.dy_runnable(**kwargs)
-        else:
-            try:  # TP = 1, outside any session: registered at once
-                register(points, self, entry.key)
-            except CaptureError:
-                self.discard(entry)
-                raise
-        self.publish(entry)
-        if self.settings.options.self_check != "off" and not entry.key.static:
-            error = self.settings.options.self_check == "error"
-            check = (str(entry.key), self, entry.key, lambda: self.check(entry, kwargs))
-            if self_checks(points, [check], error):
-                self.disable(entry)
-                return self._eager_now(step.eager("self_check_failed"), tokens, kwargs)
-        # The capturing call returns real outputs too; it ran on the captured inputs.
-        self.dispatcher.count(step.replay(), tokens)
-        return self._replay(entry, kwargs)
+    # ------------------------------------------------------------------ what a capture asks
 
     def publish(self, entry: GraphEntry) -> None:
         """``entry``'s all-reduce buffers are registered: it may serve."""
@@ -242,34 +183,7 @@ class CudaGraphBackend:
         entry.release()
         self.dispatcher.publish(entry)
 
-    def _eager_now(self, step: Step, tokens: int, kwargs: dict) -> Any:
-        self.dispatcher.count(step, tokens)
-        return self._eager(step, tokens, kwargs)
-
-    def _decide_static_decode(self, kwargs: dict, points: Agreement) -> None:
-        """Static full mode: Paddle's graphs decode where the SOT-translated program is one clean
-        static graph on every rank, else the plugin captures decode from the dygraph model."""
-
-        def probe() -> str | None:
-            verdict = static_probe(self.runnable, kwargs)
-            if verdict is None:
-                self.runtime.mark_warm()  # it ran the model: no cold capture follows
-            return None if verdict is None else text(verdict, 1000)
-
-        verdicts = points.share("static probe", self, None, probe, (str, type(None)))
-        broken = [(rank, why) for rank, why in enumerate(verdicts) if why]
-        self._rebuild(self.mode.decided(static=not broken))
-        if broken:
-            logger.warning(
-                "CUDA graph backend %#x (%s), static full mode: the static program is not one "
-                "clean graph (%s), so decode graphs are captured from the dygraph model on every "
-                "rank instead, as in dynamic mode.",
-                id(self),
-                self.role,
-                "; ".join(f"rank {rank}: {why}" for rank, why in broken),
-            )
-
-    def _rebuild(self, mode: Mode) -> None:
+    def rebuild(self, mode: Mode) -> None:
         """A new graph table for ``mode``; the dispatcher keeps its counters."""
         self.mode = mode
         self.table = GraphTable(mode)
@@ -314,47 +228,18 @@ class CudaGraphBackend:
 
     def clear_graph(self) -> None:
         """Release every graph of the process's backends, so the next ``capture_model()``
-        captures all of them again, in the same order on every rank.
-
-        FastDeploy calls this on the target for an RL weight update and for ``/v1/sleep``.
-        Clearing closes every custom all-reduce IPC handle of the process and (2.5+) rewinds the
-        registration slots, and a wake-up recreates the MTP draft's input tensors; FastDeploy
-        clears only the target there, so the draft's graphs would replay stale slots and old
-        addresses. They are released here too. Clearing twice, or before any capture, is
-        harmless.
-        """
-        others = [b for b in self._worker.backends() if b is not self]
-        released = self.release_graphs()
-        for other in others:
-            count = other.release_graphs()
-            if count:
-                logger.info(
-                    "clear_graph of CUDA graph backend %#x (%s) also released the %d graphs of "
-                    "backend %#x (%s): the clear resets the process's custom all-reduce "
-                    "registrations, and a wake-up recreates its inputs. The next capture_model() "
-                    "captures them again.",
-                    id(self),
-                    self.role,
-                    count,
-                    id(other),
-                    other.role,
-                )
-        self.runtime.empty_cache()
-        seam.clear_ipc_handles()
-        for backend in (self, *others):
-            backend.flush_stats()  # after the release: a failing write must not keep graphs
-        logger.debug("clear_graph released %d graphs", released)
+        captures all of them again, in the same order on every rank (``Lifecycle`` says why all).
+        FastDeploy calls this on the target for an RL weight update and for ``/v1/sleep``."""
+        self._lifecycle.release_every_graph(self)
 
     def release_graphs(self) -> int:
         """Drop this backend's graphs and capture state; return how many were captured."""
-        observability.log_summary("clear_graph", [self])
+        observability.log_summary("clear_graph", [self], self._worker.outputs)
         entries = self.table.all()
         captured = sum(1 for e in entries if e.captured)
-        self._rebuild(self.settings.mode)  # static full decides again at the next capture
+        self.rebuild(self.settings.mode)  # static full decides again at the next capture
         for entry in entries:
             entry.release()
-        if self._static is not None:
-            self._static.forget()
         self.capturer.reset()
         return captured
 

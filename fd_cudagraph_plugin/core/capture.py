@@ -1,5 +1,8 @@
-"""Capturing one entry: the order check, warm-ups, the pool, the custom all-reduce, accounting,
-each step followed by an agreement point (``ranks.agreement.Agreement``); and the self-check.
+"""Capturing one step: the order check, warm-ups, the pool, the custom all-reduce, accounting, the
+registration and the self-check, each followed by an agreement point (``ranks.agreement``).
+
+``Capturer.capture_step`` captures a step the dispatcher chose, alone or in a capture session,
+counts it and returns its result; what it asks of the backend is ``StepOwner``.
 
 Dynamic entries are captured by the runtime (``runtime/``); static ones by Paddle inside its
 partial programs (``dy2st.py``). Warm-ups run outside FastDeploy's custom all-reduce capture state
@@ -8,8 +11,7 @@ uninitialised buffer. FastDeploy's custom all-reduce keeps the buffers of every 
 next ``register_graph_buffers`` (``graph_unreg_buffers_``, ``all_reduce.cuh``), a collective over
 the TP group; a session registers them once, at its end, after every rank agreed every capture
 (``session.py``), and no graph replays before (its kernels read peer pointers the registration
-fills). ``capture`` returns what it captured, with the last warm-up's result, which the capturing
-step returns; the backend publishes the graph.
+fills): until then the capturing step returns the last warm-up's result.
 
 Which memory pool a backend's graphs capture into (``FD_CUDAGRAPH_POOL``, ``pool_policy``):
 
@@ -28,16 +30,20 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fd_cudagraph_plugin.core import outputs, seam
-from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver
+from fd_cudagraph_plugin.core.dispatch import Dispatcher
+from fd_cudagraph_plugin.core.dy2st import StaticGraphDriver, static_probe
 from fd_cudagraph_plugin.core.errors import CaptureError, CaptureOrderError, SelfCheckError
-from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, Captured, GraphKey
-from fd_cudagraph_plugin.core.ranks.agreement import Agreement, Participant
+from fd_cudagraph_plugin.core.graphs import DECODE, NOTHING, Captured, GraphEntry, GraphKey, Step
+from fd_cudagraph_plugin.core.mode import Mode
+from fd_cudagraph_plugin.core.process import WorkerProcess
+from fd_cudagraph_plugin.core.ranks.agreement import Agreement, Participant, solo
 from fd_cudagraph_plugin.core.ranks.messages import MAX_TEXT, SelfChecks, text
 from fd_cudagraph_plugin.core.runtime import GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings
+from fd_cudagraph_plugin.core.warmups import WarmedSizes
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -56,21 +62,62 @@ def pool_policy(settings: Settings) -> str:
     return "graph"
 
 
+class Registered(Participant, Protocol):
+    """What the registration and the self-check do to a backend's graphs: ``publish`` one whose
+    all-reduce buffers are registered (it may serve), ``check`` it (None, or what differs from
+    eager), ``disable`` one any rank's self-check found wrong, ``discard`` one never registered."""
+
+    def publish(self, entry: GraphEntry) -> None: ...
+
+    def check(self, entry: GraphEntry, kwargs: dict) -> str | None: ...
+
+    def disable(self, entry: GraphEntry) -> None: ...
+
+    def discard(self, entry: GraphEntry) -> None: ...
+
+
+class StepOwner(Registered, Protocol):
+    """What capturing a step asks of its backend (``backend.CudaGraphBackend``): ``eager`` counts
+    a step and runs it without a graph; ``rebuild`` makes a new graph table for a mode."""
+
+    dispatcher: Dispatcher
+    warmed: WarmedSizes
+    runnable: Callable
+    dy_runnable: Callable
+
+    def replay(self, entry: GraphEntry, kwargs: dict) -> Any: ...
+
+    def eager(self, step: Step, tokens: int, kwargs: dict) -> Any: ...
+
+    def rebuild(self, mode: Mode) -> None: ...
+
+
+class OpenSession(Protocol):
+    """The capture session a step is captured in (``session.CaptureSession``): its points, its
+    order rule, the warm-ups of a capture that begins, and the record of one made (True while
+    the graph waits for the session's registration)."""
+
+    agreement: Agreement
+    ordered: bool
+
+    def before_capture(self, member: StepOwner, key: GraphKey) -> int: ...
+
+    def record(
+        self, member: StepOwner, entry: GraphEntry, captured: Captured, kwargs: dict
+    ) -> bool: ...
+
+
 class Capturer:
     """Captures the entries of one backend, in the order every tensor-parallel rank follows."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        runtime: GraphRuntime,
-        static: StaticGraphDriver | None,
-        outputs_failed: outputs.OutputFailures,
-    ) -> None:
+    def __init__(self, settings: Settings, runtime: GraphRuntime, worker: WorkerProcess) -> None:
         self.settings = settings
         self.runtime = runtime
         self.pool_policy = pool_policy(settings)
-        self.static = static
-        self._outputs = outputs_failed
+        #: Captures and replays Paddle-managed graphs, in modes that have them.
+        self.static = StaticGraphDriver() if settings.mode.paddle_graphs else None
+        #: Its process: the sessions that ended there, and where a failed dot file is counted.
+        self._worker = worker
         #: The pool this backend captures into; taken at its first capture, given back on clear.
         self.pool: object | None = None
         self.captures = 0
@@ -84,27 +131,106 @@ class Capturer:
 
     def reset(self) -> None:
         """Forget the captures since the last clear (the caller released the graphs)."""
+        if self.static is not None:
+            self.static.forget()
         self._next = 0
         if self.pool is not None:
             self.runtime.release_pool(self.pool)
             self.pool = None
 
-    def capture(
+    def capture_step(
         self,
-        owner: Participant,
+        owner: StepOwner,
+        session: OpenSession | None,
+        step: Step,
+        entry: GraphEntry,
+        tokens: int,
+        kwargs: dict,
+    ) -> Any:
+        """Capture the graph that serves ``step`` on ``kwargs``, counted, and return the step's
+        result. In ``session`` the graph serves once the session registered it; alone (TP = 1)
+        it is registered and self-checked at once. Raises the agreed ``CaptureError``."""
+        settings = self.settings
+        if session is None:
+            if self._worker.sessions_ended or settings.tp_size > 1:
+                # A capture on this rank alone, outside FastDeploy's capture loop, would hang
+                # tensor-parallel peers; after capture_model() every new size runs eagerly.
+                return owner.eager(step.eager("late_capture"), tokens, kwargs)
+            points = solo(self._worker)
+            warmups, ordered = settings.num_warmups, True
+        else:
+            warmups = session.before_capture(owner, entry.key)
+            points, ordered = session.agreement, session.ordered
+        if entry.phase == DECODE and owner.mode.undecided:
+            self._decide_static_decode(owner, kwargs, points)  # the decode entries are built anew
+            step = owner.dispatcher.route(kwargs["forward_meta"], tokens)
+            entry = owner.dispatcher.table.entry(step.key)
+        captured = self._capture(owner, entry.key, kwargs, points, warmups, ordered)
+        entry.fill(captured)
+        owner.warmed.add(entry.key)
+        if session is not None and session.record(owner, entry, captured, kwargs):
+            # Its all-reduce buffers are registered with the session's others, at its end;
+            # until then the step's result is the last warm-up's, run on the same inputs.
+            owner.dispatcher.count(step.eager("unregistered"), tokens)
+            if captured.eager is not NOTHING:
+                return captured.eager
+            return owner.dy_runnable(**kwargs)
+        if session is None:
+            try:  # TP = 1, outside any session: registered at once
+                register(points, owner, entry.key)
+            except CaptureError:
+                owner.discard(entry)
+                raise
+        owner.publish(entry)
+        if settings.options.self_check != "off" and not entry.key.static:
+            error = settings.options.self_check == "error"
+            check = (str(entry.key), owner, entry.key, lambda: owner.check(entry, kwargs))
+            if self_checks(points, [check], error):
+                owner.disable(entry)
+                return owner.eager(step.eager("self_check_failed"), tokens, kwargs)
+        # The capturing call returns real outputs too; it ran on the captured inputs.
+        owner.dispatcher.count(step.replay(), tokens)
+        return owner.replay(entry, kwargs)
+
+    def _decide_static_decode(self, owner: StepOwner, kwargs: dict, points: Agreement) -> None:
+        """Static full mode: Paddle's graphs decode where the SOT-translated program is one clean
+        static graph on every rank, else the plugin captures decode from the dygraph model."""
+
+        def probe() -> str | None:
+            verdict = static_probe(owner.runnable, kwargs)
+            if verdict is None:
+                self.runtime.mark_warm()  # it ran the model: no cold capture follows
+            return None if verdict is None else text(verdict, 1000)
+
+        verdicts = points.share("static probe", owner, None, probe, (str, type(None)))
+        broken = [(rank, why) for rank, why in enumerate(verdicts) if why]
+        owner.rebuild(owner.mode.decided(static=not broken))
+        if broken:
+            logger.warning(
+                "CUDA graph backend %#x (%s), static full mode: the static program is not one "
+                "clean graph (%s), so decode graphs are captured from the dygraph model on every "
+                "rank instead, as in dynamic mode.",
+                id(owner),
+                owner.role,
+                "; ".join(f"rank {rank}: {why}" for rank, why in broken),
+            )
+
+    def _capture(
+        self,
+        owner: StepOwner,
         key: GraphKey,
-        runnable: Callable,
         kwargs: dict,
         agreement: Agreement,
-        *,
         warmups: int,
-        ordered: bool = True,
+        ordered: bool,
     ) -> Captured:
         """Warm up (``warmups`` eager runs) and capture ``key``. Raises the agreed
         ``CaptureError`` when this or any other rank failed; then nothing was captured.
         ``ordered``: hold decode captures to the plan's order (every capture but a probe's).
         The graph's all-reduce buffers are not registered yet (``seam.register_graph_buffers``)."""
         from fd_cudagraph_plugin.core import guards  # imports Paddle
+
+        runnable = owner.runnable if key.static else owner.dy_runnable
 
         # Before the model runs: from 2.6 the attention backend may rebind forward_meta.rotary_embs
         # during the forward; a step is compared at its entry. Paddle-managed graphs read fixed
@@ -196,23 +322,17 @@ class Capturer:
             )
 
     def _dump_dot(self, owner: object, captured: Captured) -> None:
-        if not self.runtime.real_graphs:  # nothing to write: no directory either
-            if not self._dot_unsupported_logged:
-                self._dot_unsupported_logged = True
-                logger.warning(
-                    "FD_CUDAGRAPH_DUMP_DOT=1: the %s runtime cannot write dot files.",
-                    self.runtime.name,
-                )
-            return
-        directory = os.path.join(outputs.log_dir(), "GraphDotFiles")
-        key = captured.key
-        path = os.path.join(directory, f"backend{id(owner):x}_{key.phase}{key.size}")
-        try:
-            os.makedirs(directory, exist_ok=True)
-            written = self.runtime.dump_dot(captured.graph, path)
-        except OSError as error:
-            self._outputs.failed("FD_CUDAGRAPH_DUMP_DOT", path, error)
-            return
+        written = False
+        if self.runtime.real_graphs:  # else nothing to write: no directory either
+            directory = os.path.join(outputs.log_dir(), "GraphDotFiles")
+            key = captured.key
+            path = os.path.join(directory, f"backend{id(owner):x}_{key.phase}{key.size}")
+            try:
+                os.makedirs(directory, exist_ok=True)
+                written = self.runtime.dump_dot(captured.graph, path)
+            except OSError as error:
+                self._worker.outputs.failed("FD_CUDAGRAPH_DUMP_DOT", path, error)
+                return
         if not written and not self._dot_unsupported_logged:
             self._dot_unsupported_logged = True
             logger.warning(

@@ -21,20 +21,16 @@ from fd_cudagraph_plugin.core.errors import CaptureError
 from fd_cudagraph_plugin.core.session import CaptureSession, SessionBackend
 
 
-def adopt(backend: SessionBackend) -> lifecycle.FirstReplay:
-    """A backend was built: the process keeps it (clears, stats and sessions reach every live
-    one), the periodic reporter and metrics start with the first, the capture loops are wrapped
-    for runners imported some other way, and an open session takes it in. Returns the check of
-    each graph's first replay after a lifecycle call, which the backend runs."""
-    worker = process.current()
+def adopt(worker: process.WorkerProcess, backend: SessionBackend) -> None:
+    """``backend`` was built in ``worker``: the process keeps it (clears, stats and sessions reach
+    every live one), the periodic reporter and metrics start with the first, the capture loops are
+    wrapped for runners imported some other way, and an open session takes it in."""
     worker.add(backend)
-    options = backend.settings.options
-    observability.start(options)
+    observability.start(worker, backend.settings.options)
     install()
     seam.count_steps_run_without(backend.layer, backend.dispatcher.skipped)
     if worker.session is not None:
         worker.session.join(backend)
-    return lifecycle.state().first_replay
 
 
 def _in_session(method: Callable, phase: str) -> Callable:

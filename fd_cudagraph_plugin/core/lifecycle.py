@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from fd_cudagraph_plugin.core import moved, process, seam
 from fd_cudagraph_plugin.core.ranks.agreement import outside_session, release_held
 from fd_cudagraph_plugin.core.ranks.messages import Moved, text
+from fd_cudagraph_plugin.core.runtime import GraphRuntime
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
@@ -48,29 +49,29 @@ class LifecycleDispatcher(Protocol):
 
 
 class LifecycleBackend(Protocol):
-    """What the lifecycle asks of a backend (``backend.CudaGraphBackend``)."""
+    """What the lifecycle asks of a backend (``backend.CudaGraphBackend``); ``release_graphs``
+    drops its graphs and capture state, and says how many were captured."""
 
     role: str
     layer: object
     fd_config: Any
     dispatcher: LifecycleDispatcher
+    runtime: GraphRuntime
 
     def has_graphs(self, prefill: bool = False) -> bool: ...
 
     def input_addresses(self) -> Iterable[tuple[str, int]]: ...
 
-    def clear_graph(self) -> None: ...
+    def release_graphs(self) -> int: ...
 
-
-#: The check a backend runs at each graph's first replay after a lifecycle call: True when the
-#: graph may replay (``Lifecycle.first_replay``).
-FirstReplay = Callable[[LifecycleBackend, Any, dict], bool]
+    def flush_stats(self) -> None: ...
 
 
 class Lifecycle:
     """The lifecycle state of one worker process (``state()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: process.WorkerProcess) -> None:
+        self._worker = worker
         #: Lifecycle calls running now (a wake-up may call another): only the outermost one's
         #: end is checked.
         self.depth = 0
@@ -108,7 +109,7 @@ class Lifecycle:
         self.depth -= 1
         if self.depth == 0:
             self.after(event, _runner_of(owner), servable)
-            release_held()
+            release_held(self._worker)
         return result
 
     def scope(self, name: str) -> str:
@@ -130,7 +131,7 @@ class Lifecycle:
         skipped the point would leave the others waiting, or meet their next one. The exception is
         a call that raised an error every rank already agreed on (a capture session inside it
         failed): each rank raised it at the same point."""
-        backends: list[LifecycleBackend] = process.current().backends()
+        backends: list[LifecycleBackend] = self._worker.backends()
         if not backends:
             return
         for backend in backends:
@@ -149,7 +150,7 @@ class Lifecycle:
 
         try:
             config = getattr(runner, "fd_config", None) or backends[0].fd_config
-            points = outside_session(config, self.scope("after"))
+            points = outside_session(self._worker, config, self.scope("after"))
             said = points.share(f"after {event}", None, None, local, Moved)
         except BaseException:
             # What the call moved before it failed is unknown: no graph stays to replay it.
@@ -204,12 +205,12 @@ class Lifecycle:
         from fd_cudagraph_plugin.core.errors import CaptureError
 
         local = guards.moved_inputs(entry.addresses, kwargs)
-        backends = process.current().backends()
+        backends = self._worker.backends()
         index = backends.index(backend) if backend in backends else len(backends)
         try:
             key = entry.key
             name = f"b{index}.{key.phase}{key.size}{'.static' if key.static else ''}"
-            points = outside_session(backend.fd_config, self.scope(name))
+            points = outside_session(self._worker, backend.fd_config, self.scope(name))
             said = points.share("inputs in place", backend, entry.key, lambda: not local, bool)
         except CaptureError as error:
             why = f"the ranks could not agree on its inputs ({error})"
@@ -227,7 +228,7 @@ class Lifecycle:
             entry.key,
             why,
         )
-        self._release(process.current().backends(), "a lifecycle call", "an input moved")
+        self._release(self._worker.backends(), "a lifecycle call", "an input moved")
         return False
 
     # -------------------------------------------------------------------- what it does
@@ -237,6 +238,35 @@ class Lifecycle:
         before = self._fingerprints[backend]
         now = moved.now(before, backend.layer, seam.input_buffers(runner), seam.custom_allreduce())
         return before.moved(now)
+
+    def release_every_graph(self, asked_by: LifecycleBackend | None = None) -> None:
+        """Release every graph of the process, ``asked_by``'s first, so that the next capture
+        session captures all of them again, in the same order on every rank: a clear closes every
+        custom all-reduce IPC handle of the process and (2.5+) rewinds the registration slots, and
+        a wake-up recreates the MTP draft's inputs, where FastDeploy clears only the target's
+        graphs. Releasing twice, or before any capture, is harmless."""
+        backends = self._worker.backends()
+        first = asked_by if asked_by is not None else next(iter(backends), None)
+        if first is None:
+            return
+        released = first.release_graphs()
+        others = [(b, b.release_graphs()) for b in backends if b is not first]
+        also = "; ".join(f"{n} of backend {id(b):#x} ({b.role})" for b, n in others if n)
+        if also:
+            logger.info(
+                "clear_graph of CUDA graph backend %#x (%s) also released the graphs of the "
+                "process's other backends (%s): the clear resets the process's custom all-reduce "
+                "registrations, and a wake-up recreates their inputs. The next capture_model() "
+                "captures them again.",
+                id(first),
+                first.role,
+                also,
+            )
+        first.runtime.empty_cache()
+        seam.clear_ipc_handles()
+        for backend in (first, *(b for b, _ in others)):
+            backend.flush_stats()  # after the release: a failing write must not keep graphs
+        logger.debug("clear_graph released %d graphs", released)
 
     def _release(self, backends: list[LifecycleBackend], event: str, why: str) -> None:
         """Release every graph of the process (every rank does, at the same point): decode steps
@@ -253,7 +283,7 @@ class Lifecycle:
                 event,
                 why,
             )
-            backends[0].clear_graph()
+            self.release_every_graph()
         for backend in backends:
             backend.dispatcher.mark_stale()
         self.released_after = self.released_after or event
@@ -274,7 +304,7 @@ class Lifecycle:
             what = f"graphs released after {self.released_after}"
             logger.info("After %s, the plugin captures the %s again.", event, what)
         if any(b.has_graphs() for b in backends):
-            backends[0].clear_graph()
+            self.release_every_graph()
         self.released_after = self.released_after or event
         self.cause = f"after {event} ({what})"
         # At start-up (deterministic mode) FastDeploy reset the inputs after its capture on purpose.
@@ -293,7 +323,7 @@ def wrap(method: Callable, event: str, servable: bool) -> Callable:
     """``method`` as a lifecycle call of the process it runs in (``Lifecycle.call``)."""
 
     def lifecycle_call(owner: Any, *args: Any, **kwargs: Any) -> Any:
-        return state().call(method, event, servable, owner, *args, **kwargs)
+        return state(process.current()).call(method, event, servable, owner, *args, **kwargs)
 
     lifecycle_call.__name__ = method.__name__
     lifecycle_call.__doc__ = method.__doc__
@@ -301,11 +331,10 @@ def wrap(method: Callable, event: str, servable: bool) -> Callable:
     return lifecycle_call
 
 
-def state() -> Lifecycle:
-    """The process's ``Lifecycle`` (a new worker, or a test's fresh process, gets a new one)."""
-    worker = process.current()
+def state(worker: process.WorkerProcess) -> Lifecycle:
+    """``worker``'s ``Lifecycle`` (a new worker, or a test's fresh process, gets a new one)."""
     if worker.lifecycle is None:
-        worker.lifecycle = Lifecycle()
+        worker.lifecycle = Lifecycle(worker)
     return worker.lifecycle  # type: ignore[return-value]
 
 
@@ -325,4 +354,4 @@ def _runner_of(owner: Any) -> Any:
     return getattr(owner, "model_runner", owner)
 
 
-__all__ = ["FirstReplay", "Lifecycle", "LifecycleBackend", "LifecycleDispatcher", "state", "wrap"]
+__all__ = ["Lifecycle", "LifecycleBackend", "LifecycleDispatcher", "state", "wrap"]

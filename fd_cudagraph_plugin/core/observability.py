@@ -37,6 +37,7 @@ from fd_cudagraph_plugin.core.errors import human_bytes, plural
 from fd_cudagraph_plugin.core.graphs import GraphTable
 from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.process import WorkerProcess
 from fd_cudagraph_plugin.core.session import CaptureReport
 from fd_cudagraph_plugin.core.settings import Settings
 
@@ -95,17 +96,13 @@ def _memory(report: CaptureReport | None) -> dict[str, Any]:
 STATS_FORMAT = "fd-cudagraph-stats/1"
 
 
-def live_backends() -> list[Any]:
-    return process.current().backends()
-
-
-def aggregate() -> dict[str, Any]:
-    """The counters of every live backend, summed, plus each backend's own ``stats()``."""
+def aggregate(worker: WorkerProcess) -> dict[str, Any]:
+    """The counters of every live backend of ``worker``, summed, plus each one's ``stats()``."""
     replays: Counter[int] = Counter()
     fallbacks: Counter[str] = Counter()
     per_backend = {}
     captures = padded = graph_bytes = 0
-    for backend in live_backends():
+    for backend in worker.backends():
         own = backend.stats()
         per_backend[f"{id(backend):#x}"] = own
         captures += own["captures"]
@@ -165,17 +162,17 @@ def format_table(own: dict[str, Any], title: str) -> str:
     return "\n".join(lines)
 
 
-def log_summary(reason: str, backends: list[Any] | None = None) -> None:
-    """Log the table of each backend (every live one by default) that captured or fell back.
-    Never raises: it runs in ``clear_graph()``, which must release graphs whatever else fails."""
+def log_summary(reason: str, backends: list[Any], failures: outputs.OutputFailures) -> None:
+    """Log the table of each of ``backends`` that captured or fell back. Never raises: it runs in
+    ``clear_graph()``, which must release graphs whatever else fails."""
     try:
-        for backend in live_backends() if backends is None else backends:
+        for backend in backends:
             own = backend.stats()
             if own["captures"] or own["eager_fallbacks"]:
                 title = f"CUDA graph summary ({reason}), backend {id(backend):#x} ({backend.role})"
                 logger.info("%s", format_table(own, title))
     except Exception:
-        process.current().outputs.failed_here("summary", "summary table")
+        failures.failed_here("summary", "summary table")
 
 
 class StatsFile:
@@ -238,22 +235,22 @@ class StatsFile:
         self._written[key] = current
 
 
-def flush_all() -> None:
-    for backend in live_backends():
+def flush_all(worker: WorkerProcess) -> None:
+    for backend in worker.backends():
         try:
             backend.flush_stats()
         except Exception:
-            process.current().outputs.failed_here("flush", "stats flush")
+            worker.outputs.failed_here("flush", "stats flush")
 
 
-def publish_metrics() -> None:
-    """Copy every live backend's counters into the Prometheus metrics, if they are on. A failure
-    is logged once and counted, never raised: metrics must not stop serving."""
+def publish_metrics(worker: WorkerProcess) -> None:
+    """Copy the counters of ``worker``'s live backends into the Prometheus metrics, if they are
+    on. A failure is logged once and counted, never raised: metrics must not stop serving."""
     if not enabled():
         return
-    failures = process.current().outputs
+    failures = worker.outputs
     try:
-        publish(live_backends(), dict(failures.counts))  # a copy: writers may add keys
+        publish(worker.backends(), dict(failures.counts))  # a copy: writers may add keys
     except Exception as error:
         failures.failed("FD_CUDAGRAPH_METRICS", destination(), error)
 
@@ -268,8 +265,9 @@ class Reporter(threading.Thread):
     """Every N seconds: flush the stats files, publish the metrics, and log a line if
     ``FD_CUDAGRAPH_STATS_INTERVAL`` asked for one."""
 
-    def __init__(self, interval: float, log: bool) -> None:
+    def __init__(self, worker: WorkerProcess, interval: float, log: bool) -> None:
         super().__init__(name="fd-cudagraph-stats", daemon=True)
+        self.worker = worker
         self.interval = interval
         self.log = log
         self.stopped = threading.Event()
@@ -279,17 +277,16 @@ class Reporter(threading.Thread):
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
-            flush_all()
-            publish_metrics()
+            flush_all(self.worker)
+            publish_metrics(self.worker)
             if self.log:
                 try:
                     self._log_totals()
                 except Exception:  # a reporter that dies silently helps nobody
-                    process.current().outputs.failed_here("stats_log", "periodic stats line")
+                    self.worker.outputs.failed_here("stats_log", "periodic stats line")
 
-    @staticmethod
-    def _log_totals() -> None:
-        totals = aggregate()
+    def _log_totals(self) -> None:
+        totals = aggregate(self.worker)
         logger.info(
             "CUDA graphs: %d replays, %d padded tokens, eager fallbacks %s, graph memory "
             "%.0f MiB over %d backends",
@@ -301,15 +298,13 @@ class Reporter(threading.Thread):
         )
 
 
-def stats_file(settings: Settings, failures: outputs.OutputFailures) -> StatsFile | None:
-    """The backend's stats file, when ``FD_CUDAGRAPH_STATS_FILE`` asks for one."""
-    path = settings.options.stats_file
-    return StatsFile(path, settings, failures) if path else None
-
-
-def start(options: PluginOptions) -> None:
-    """What a process's first backend starts: the periodic reporter, and the metrics."""
-    start_reporter(options)
+def start(worker: WorkerProcess, options: PluginOptions) -> None:
+    """What a process's first backend starts: the periodic reporter (once per process, if the
+    options ask for it), and the metrics."""
+    interval = reporter_interval(options)
+    if worker.reporter is None and interval > 0:
+        worker.reporter = Reporter(worker, interval, log=options.stats_interval > 0)
+        worker.reporter.start()
     if options.metrics:
         enable()
 
@@ -324,28 +319,19 @@ def reporter_interval(options: PluginOptions) -> float:
     return STATS_FILE_FLUSH_SECONDS if options.stats_file else 0.0
 
 
-def start_reporter(options: PluginOptions) -> None:
-    """Start the periodic thread once per process, if the options ask for it."""
-    owner = process.current()
-    interval = reporter_interval(options)
-    if owner.reporter is None and interval > 0:
-        owner.reporter = Reporter(interval, log=options.stats_interval > 0)
-        owner.reporter.start()
-
-
-def stop_reporter() -> None:
-    owner = process.current()
-    if owner.reporter is not None:
-        owner.reporter.stop()
-        owner.reporter = None
+def stop_reporter(worker: WorkerProcess) -> None:
+    if worker.reporter is not None:
+        worker.reporter.stop()
+        worker.reporter = None
 
 
 @atexit.register
 def _at_exit() -> None:
-    stop_reporter()
-    flush_all()
-    publish_metrics()
-    log_summary("process exit")
+    worker = process.current()
+    stop_reporter(worker)
+    flush_all(worker)
+    publish_metrics(worker)
+    log_summary("process exit", worker.backends(), worker.outputs)
 
 
 # ---------------------------------------------------------------------------- Prometheus

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fd_cudagraph_plugin.core import outputs, process, seam
+from fd_cudagraph_plugin.core import lifecycle, outputs, process, seam
 from fd_cudagraph_plugin.core.budget import Choice, Reserve
 from fd_cudagraph_plugin.core.errors import human_bytes
 from fd_cudagraph_plugin.core.session import CaptureReport, CaptureSession, backends_plan
@@ -187,7 +187,7 @@ class KvReserve:
                 f"{settings.speculative_method}: nothing reserved at this start; the next start "
                 f"with this plan reserves what this one measures",
             )
-        members[0].clear_graph()  # releases every backend's graphs, empties the allocator's cache
+        lifecycle.state(self._worker).release_every_graph(members[0])  # empties the cache too
         after = runtime.device_memory()
         if before is not None and after is not None:
             self.probe_kept = max(before[0] - after[0], 0)

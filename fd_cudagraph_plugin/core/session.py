@@ -33,10 +33,9 @@ import msgspec
 
 from fd_cudagraph_plugin.core import budget, lifecycle, outputs, process, seam, warmups
 from fd_cudagraph_plugin.core.budget import Reserve
-from fd_cudagraph_plugin.core.capture import register, self_checks
+from fd_cudagraph_plugin.core.capture import Registered, register, self_checks
 from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError, human_bytes, plural
-from fd_cudagraph_plugin.core.graphs import GraphEntry, GraphKey
-from fd_cudagraph_plugin.core.mode import Mode
+from fd_cudagraph_plugin.core.graphs import Captured, GraphEntry, GraphKey
 from fd_cudagraph_plugin.core.moved import summary as moved_summary
 from fd_cudagraph_plugin.core.ranks.agreement import (
     Agreement,
@@ -47,19 +46,16 @@ from fd_cudagraph_plugin.core.ranks.agreement import (
 )
 from fd_cudagraph_plugin.core.ranks.link import Link
 from fd_cudagraph_plugin.core.ranks.messages import PlanPayload, RankMemory
-from fd_cudagraph_plugin.core.runtime import GraphRuntime
 from fd_cudagraph_plugin.core.settings import Settings
 from fd_cudagraph_plugin.core.warmups import WarmedSizes
 
 logger = logging.getLogger("fd_cudagraph_plugin")
 
 
-class SessionBackend(lifecycle.LifecycleBackend, Protocol):
+class SessionBackend(Registered, lifecycle.LifecycleBackend, Protocol):
     """What a session asks of each backend taking part in it."""
 
     settings: Settings
-    mode: Mode
-    runtime: GraphRuntime
     warmed: WarmedSizes
 
     def expected(self) -> list[GraphEntry]:
@@ -70,18 +66,6 @@ class SessionBackend(lifecycle.LifecycleBackend, Protocol):
 
     def session_closed(self, report: CaptureReport | None) -> None:
         """The session closed; ``report`` is what it captured (None when it failed)."""
-
-    def publish(self, entry: GraphEntry) -> None:
-        """``entry``'s all-reduce buffers are registered: it may serve."""
-
-    def check(self, entry: GraphEntry, kwargs: dict) -> str | None:
-        """The self-check of a registered graph: None, or what differs."""
-
-    def disable(self, entry: GraphEntry) -> None:
-        """Every rank's self-check found ``entry`` wrong."""
-
-    def discard(self, entry: GraphEntry) -> None:
-        """``entry`` was never registered: it never serves."""
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -378,10 +362,10 @@ class CaptureSession:
         self._collect_again = gc.isenabled()
         gc.disable()
         try:
-            link = self._link or link_for(self.fd_config, self.options)
+            link = self._link or link_for(self.fd_config, self.process)
             self.report = CaptureReport(self.phase, link.rank, self.reserve)
-            scope = lifecycle.state().session_scope()
-            self.agreement = for_session(link, self.options, self.report, scope)
+            scope = lifecycle.state(self.process).session_scope()
+            self.agreement = for_session(link, self.process, self.report, scope)
             self.registers = seam.custom_allreduce() is not None
             self._progress = Progress(link.rank == 0, self.process.outputs)
             self.process.session = self
@@ -406,17 +390,15 @@ class CaptureSession:
         self.members.append(member)
         member.session_opened(self, role)
 
-    def before_capture(self, member: SessionBackend) -> None:
-        """Called by each capture. Where the backends were built inside the capture loop (no
-        profile run), none existed at ``__enter__``: the plan is agreed again, with them."""
+    def before_capture(self, member: SessionBackend, key: GraphKey) -> int:
+        """``member`` begins a capture of ``key``: its warm-ups, FastDeploy's configured count
+        where any rank has not warmed it in this process, else one (``warmups.py`` says why).
+        Where the backends were built inside the capture loop (no profile run), none existed at
+        ``__enter__``: the plan is agreed again, with them."""
         if not self._plan_checked:
             self.check_plan()
         if self._device_before is None:  # before the first warm-up: it counts too
             self._device_before = member.runtime.device_memory()
-
-    def warmups_for(self, member: SessionBackend, key: GraphKey) -> int:
-        """The warm-ups ``key`` gets in this session: FastDeploy's configured count where any
-        rank has not warmed it in this process, else one (``warmups.py`` says why one)."""
         configured = member.settings.num_warmups
         index = self.members.index(member) if member in self.members else -1
         to_warm = self._to_warm.get(index)
@@ -456,10 +438,6 @@ class CaptureSession:
             )
         self._to_warm = warmups.agreed([e.unwarmed for e in everyone], len(self.members))
 
-    def unregistered(self, member: SessionBackend, entry: GraphEntry, kwargs: dict) -> None:
-        """``member`` captured ``entry`` on ``kwargs``; it serves once registered."""
-        self._unregistered.append((member, entry, kwargs))
-
     def _register(self) -> None:
         """Register the all-reduce buffers of every graph of the session at once (one collective
         over the TP group, entered only once every rank has said its capture loop ended well:
@@ -488,17 +466,19 @@ class CaptureSession:
                 member.disable(entry)
 
     def record(
-        self, member: SessionBackend, key: GraphKey, seconds: float, nbytes: int, warmed: int
-    ) -> None:
-        """One graph captured: report it."""
+        self, member: SessionBackend, entry: GraphEntry, captured: Captured, kwargs: dict
+    ) -> bool:
+        """``member`` captured ``entry`` on ``kwargs``: report it. True when it serves only once
+        the session registered it, at its end."""
+        key = captured.key
         record = CaptureRecord(
             backend=f"{id(member):#x}",
             role=member.role,
             phase=key.phase,
             size=key.size,
-            seconds=seconds,
-            graph_bytes=nbytes,
-            warmups=warmed,
+            seconds=captured.seconds,
+            graph_bytes=captured.graph_bytes,
+            warmups=captured.warmups,
         )
         self.report.records.append(record)
         label = "draft" if record.role == "draft" else record.phase
@@ -509,6 +489,9 @@ class CaptureSession:
             sum(1 for e in member.expected() if e.phase == record.phase),
             f"size {record.size}, graph memory {human_bytes(graph_bytes)}",
         )
+        if self.registers:
+            self._unregistered.append((member, entry, kwargs))
+        return self.registers
 
     def _my_memory(self) -> RankMemory | None:
         """This rank's figures for the session end: None where no graph was captured."""
@@ -555,7 +538,7 @@ class CaptureSession:
         self._close(failed=exc_type is not None)
         if exc_type is None:
             self._finish()
-            release_held()
+            release_held(self.process)
 
     def _close(self, failed: bool) -> None:
         for member, entry, _ in self._unregistered:  # never registered: they never serve
@@ -576,7 +559,7 @@ class CaptureSession:
     def _finish(self) -> None:
         report = self.report
         report.warmup_note = warmups.note(report, self.members)
-        owner = lifecycle.state()
+        owner = lifecycle.state(self.process)
         report.cause = owner.cause
         report.moved = owner.captured(
             self.phase, self.members if report.records else [], self.runner

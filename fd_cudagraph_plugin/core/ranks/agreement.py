@@ -24,7 +24,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from fd_cudagraph_plugin.core import process
 from fd_cudagraph_plugin.core.errors import (
     CaptureError,
     CudaGraphPluginError,
@@ -32,7 +31,7 @@ from fd_cudagraph_plugin.core.errors import (
     SelfCheckError,
 )
 from fd_cudagraph_plugin.core.mode import Mode
-from fd_cudagraph_plugin.core.options import PluginOptions
+from fd_cudagraph_plugin.core.process import WorkerProcess
 from fd_cudagraph_plugin.core.ranks.link import Agreed, Link, LocalLink, Outcome, StoreLink
 from fd_cudagraph_plugin.core.ranks.messages import MAX_RANKS, MAX_TEXT, Failure, Status, text
 from fd_cudagraph_plugin.core.ranks.store import JobStore, StoreError, master_address
@@ -86,8 +85,8 @@ class Report(Protocol):
 # ------------------------------------------------------------------------- opening points
 
 
-def link_for(fd_config: Any, options: PluginOptions) -> Link:
-    """This process's link to its tensor-parallel group's agreement (made once)."""
+def link_for(fd_config: Any, worker: WorkerProcess) -> Link:
+    """``worker``'s link to its tensor-parallel group's agreement (made once)."""
     ranks = read_ranks(fd_config)
     if ranks.tp_size <= 1:
         return LocalLink()
@@ -98,13 +97,12 @@ def link_for(fd_config: Any, options: PluginOptions) -> Link:
             f"groups of at most {MAX_RANKS}; serve without the plugin (unset FD_PLUGINS).",
             stage="agreement",
         )
-    worker = process.current()
     name = f"{worker.link_prefix}/{'-'.join(str(r) for r in group)}"
     link = worker.links.get(name)
     if link is None:
         try:
             host, port = master_address(os.environ)
-            store = JobStore(host, port, options.rank_timeout)
+            store = JobStore(host, port, worker.options.rank_timeout)
         except StoreError as error:
             raise RankTimeoutError(
                 f"tensor-parallel rank {ranks.tp_rank} cannot reach Paddle's job store, where its "
@@ -116,26 +114,24 @@ def link_for(fd_config: Any, options: PluginOptions) -> Link:
     return link
 
 
-def for_session(link: Link, options: PluginOptions, report: Report, scope: str) -> Agreement:
+def for_session(link: Link, worker: WorkerProcess, report: Report, scope: str) -> Agreement:
     """The points of one capture session, named under ``scope``."""
-    return Agreement(link, options.rank_timeout, report, scope)
+    return Agreement(link, worker, report, scope)
 
 
-def outside_session(fd_config: Any, scope: str) -> Agreement:
+def outside_session(worker: WorkerProcess, fd_config: Any, scope: str) -> Agreement:
     """One point outside a capture session, named ``scope`` (see the module's doc)."""
-    options = process.current().options
-    return Agreement(link_for(fd_config, options), options.rank_timeout, None, scope)
+    return Agreement(link_for(fd_config, worker), worker, None, scope)
 
 
-def solo(timeout: float) -> Agreement:
+def solo(worker: WorkerProcess) -> Agreement:
     """Points for a backend used outside any session (TP = 1 only): it agrees with itself."""
-    return Agreement(LocalLink(), timeout, None, "solo")
+    return Agreement(LocalLink(), worker, None, "solo")
 
 
-def release_held() -> None:
-    """Raise the interrupt this process held at a point that completed, if no later point has
+def release_held(worker: WorkerProcess) -> None:
+    """Raise the interrupt ``worker`` held at a point that completed, if no later point has
     posted it: the plugin hands control back to FastDeploy here."""
-    worker = process.current()
     held, worker.held_interrupt = worker.held_interrupt, None
     if held is not None:
         raise held
@@ -152,11 +148,14 @@ class Agreement:
     """The agreement points of one session (or of one point outside a session).
 
     ``failure`` is the agreed failure that stopped this session, written here only: every later
-    point re-raises it."""
+    point re-raises it. ``worker`` holds an interrupt between points."""
 
-    def __init__(self, link: Link, timeout: float, report: Report | None, scope: str) -> None:
+    def __init__(
+        self, link: Link, worker: WorkerProcess, report: Report | None, scope: str
+    ) -> None:
         self.link = link
-        self.timeout = timeout
+        self.worker = worker
+        self.timeout = worker.options.rank_timeout
         self.report = report
         self.scope = scope
         self.points = 0
@@ -218,7 +217,7 @@ class Agreement:
         if self.failure is not None:
             raise self.failure
         where = str(key) if key is not None else ""
-        worker = process.current()
+        worker = self.worker
         local: BaseException | None = worker.held_interrupt
         worker.held_interrupt = None
         try:
