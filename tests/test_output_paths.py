@@ -95,6 +95,19 @@ def _bad_paths(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "directory": (str(tmp_path), "is a directory"),
         "trailing slash": (str(tmp_path / "new") + "/", "names a directory"),
         "parent is a file": (str(a_file / "x.json"), f"{a_file} is a file"),
+        # Over NAME_MAX (255 bytes): the plugin started and every write failed, counted.
+        "file name too long": (
+            str(tmp_path / ("s" * 300)),
+            "the name 'ssssssssssssssss...' is 300 bytes, longer than the 255 bytes",
+        ),
+        "directory name too long": (
+            str(tmp_path / ("d" * 300) / "out.json"),
+            "the name 'dddddddddddddddd...' is 300 bytes, longer than the 255 bytes",
+        ),
+        "path too long": (
+            str(tmp_path.joinpath(*["p" * 250] * 17, "out.json")),
+            "bytes, longer than the 4095 bytes this file system takes for a whole path",
+        ),
     }
 
 
@@ -105,6 +118,9 @@ BAD_CASES = (
     "directory",
     "trailing slash",
     "parent is a file",
+    "file name too long",
+    "directory name too long",
+    "path too long",
 )
 
 

@@ -11,6 +11,7 @@ declaration, and tests/test_docs.py checks the README's table against it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -69,17 +70,8 @@ def _timeout(text: str) -> float:
     return value
 
 
-_UNITS = {
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 #: Largest reserve that can be asked for: 1 TiB, more than any GPU has.
 MAX_RESERVE_BYTES = 1 << 40
 #: Smallest: less than a KV-cache block reserves nothing (a typo such as 1e-9GiB, one byte).
@@ -181,12 +173,40 @@ def _path(text: str) -> str:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{ancestor} is a file, so no directory can be made below it")
+    check_lengths(probe, ancestor)
     # No file is created to find out (options are read at every start, by every rank): where
     # os.access is wrong (root on a read-only mount), the first write fails, is counted and
     # logged once, and serving goes on.
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"cannot create files in {ancestor}; choose a writable directory")
     return path
+
+
+class NameTooLong(ValueError):
+    """A name, or a whole path, longer than the file system takes: every write would fail."""
+
+
+def check_lengths(target: str, ancestor: str) -> None:
+    """Refuse a name ``target`` still has to make below ``ancestor``, or the whole ``target``,
+    longer than the file system of ``ancestor`` takes (Linux's NAME_MAX, PATH_MAX where unsaid)."""
+    limits = {"PC_NAME_MAX": 255, "PC_PATH_MAX": 4096}
+    for key in limits:
+        with contextlib.suppress(OSError, ValueError):
+            limits[key] = os.pathconf(ancestor, key)
+    name_max, path_max = limits.values()
+    names = os.path.relpath(target, ancestor).split(os.sep)
+    size, name = max((len(os.fsencode(name)), name) for name in names)
+    whole = len(os.fsencode(target))
+    if size > name_max or whole >= path_max:
+        what, limit, of = (
+            (f"the name {name[:16] + '...'!r} is {size}", name_max, "one name (NAME_MAX)")
+            if size > name_max
+            else (f"the path is {whole}", path_max - 1, "a whole path (PATH_MAX)")
+        )
+        raise NameTooLong(
+            f"{what} bytes, longer than the {limit} bytes this file system takes for {of}; "
+            "choose a shorter name"
+        )
 
 
 #: Where the kernel's own files live: writing a report there is never meant (as root it can write
@@ -214,9 +234,8 @@ def _sampling(text: str) -> int:
     if text == "always":
         return 1
     prefix, _, count = text.partition(":")
-    if prefix != "sampled" or not _DECIMAL.fullmatch(count) or "." in count:
-        raise ValueError(f"must be off, always, or sampled:N with 1 <= N <= {MAX_SAMPLING_PERIOD}")
-    if not 1 <= int(count) <= MAX_SAMPLING_PERIOD:
+    number = _DECIMAL.fullmatch(count) and "." not in count
+    if prefix != "sampled" or not number or not 1 <= int(count) <= MAX_SAMPLING_PERIOD:
         raise ValueError(f"must be off, always, or sampled:N with 1 <= N <= {MAX_SAMPLING_PERIOD}")
     return int(count)
 
@@ -338,17 +357,10 @@ REMOVED: dict[str, tuple[str, str]] = {
 
 #: Options that earlier versions had and that now do nothing, with why. Setting one is logged at
 #: start-up and reported by ``doctor``, never refused: a deployment that set it keeps starting.
+_STORE = "the ranks agree through Paddle's job store, which every worker reaches; the plugin"
 UNUSED: dict[str, tuple[str, str]] = {
-    "FD_CUDAGRAPH_AGREEMENT_INTERFACE": (
-        "0.7",
-        "the ranks agree through Paddle's job store, which every worker already reaches; the "
-        "plugin listens on no address of its own",
-    ),
-    "FD_CUDAGRAPH_AGREEMENT_PORTS": (
-        "0.7",
-        "the ranks agree through Paddle's job store, which every worker already reaches; the "
-        "plugin opens no port of its own",
-    ),
+    "FD_CUDAGRAPH_AGREEMENT_INTERFACE": ("0.7", f"{_STORE} listens on no address of its own"),
+    "FD_CUDAGRAPH_AGREEMENT_PORTS": ("0.7", f"{_STORE} opens no port of its own"),
 }
 
 

@@ -23,6 +23,8 @@ from fd_cudagraph_plugin.core.options import (
     OPTIONS,
     PATH_OPTIONS,
     UNUSED,
+    NameTooLong,
+    check_lengths,
     describe,
     rank_zero_path,
     read_option,
@@ -441,27 +443,11 @@ def check_unknown_options(
 # ------------------------------------------------------------------ what the plugin writes
 
 
-class NameTooLong(ValueError):
-    """A file or directory name, or a whole path, longer than the file system takes."""
-
-
-def _limits(directory: str) -> tuple[int, int]:
-    """The longest name and path, in bytes, the file system of ``directory`` takes (Linux's
-    NAME_MAX and PATH_MAX where it does not say)."""
-    limits = []
-    for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", MAX_PATH)):
-        try:
-            limits.append(os.pathconf(directory, name))
-        except (OSError, ValueError):
-            limits.append(default)
-    return limits[0], limits[1]
-
-
 def probe_writable(path: str) -> None:
     """Create and remove a file where ``path`` would be written (its nearest existing directory):
     what ``os.access`` cannot tell (root on ``/proc``, a read-only mount). The names still to be
     made are checked against the file system's limits, which a probe file of its own name cannot
-    tell (``NameTooLong``). A worker's start creates nothing; only the doctor does this."""
+    tell (``check_lengths``). A worker's start creates nothing; only the doctor does this."""
     import tempfile
 
     target = os.path.abspath(rank_zero_path(path))
@@ -470,19 +456,7 @@ def probe_writable(path: str) -> None:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{ancestor} is a file, so no directory can be made below it")
-    name_max, path_max = _limits(ancestor)
-    for name in os.path.relpath(target, ancestor).split(os.sep):
-        size = len(os.fsencode(name))
-        if size > name_max:
-            raise NameTooLong(
-                f"the name {shown(name[:16] + '...')} is {size} bytes, longer than the "
-                f"{name_max} bytes this file system takes for one name (NAME_MAX)"
-            )
-    if len(os.fsencode(target)) >= path_max:
-        raise NameTooLong(
-            f"the path is {len(os.fsencode(target))} bytes, longer than the {path_max - 1} bytes "
-            "this file system takes for a whole path (PATH_MAX)"
-        )
+    check_lengths(target, ancestor)
     try:
         with tempfile.TemporaryFile(dir=ancestor):
             pass
