@@ -153,6 +153,32 @@ def test_custom_allreduce_registers_once_after_every_graph_of_the_session(
     assert recording_ar.stale_replays == 0
 
 
+def test_a_failed_registration_discards_the_sessions_graphs_and_the_next_session_serves(
+    plugin_registered, recording_ar, monkeypatch
+):
+    """The session's one registration raises: none of its graphs was registered, so none may
+    stay captured (held, unserved, and counted in the capture order); the next capture loop
+    captures every size again and serves them as eager does."""
+    config = make_config(4)
+    model, runner = runner_for(config)
+    backend = model.graph_opt_backend.cudagraph_piecewise_backend
+    register = recording_ar.register_graph_buffers
+    monkeypatch.setattr(recording_ar, "register_graph_buffers", lambda: 1 / 0)
+    with pytest.raises(CaptureError, match="division by zero"):
+        runner.capture_model()
+    assert plugin_registered.live_graphs == 0 and not backend.has_graphs()
+    monkeypatch.setattr(recording_ar, "register_graph_buffers", register)
+    runner.capture_model()
+    assert plugin_registered.live_graphs == 3
+    for tokens in (4, 3, 2, 1):
+        before = sum(backend.stats()["replays"].values())
+        out = runner.execute_step(tokens)
+        assert sum(backend.stats()["replays"].values()) == before + 1
+        view = runner.share_inputs["ids"][:tokens]
+        eager = model.forward(ids_remove_padding=view, forward_meta=None)
+        assert paddle.allclose(out, eager).item()
+
+
 def test_first_capture_in_a_process_follows_an_eager_run_even_with_zero_warmups(sim):
     backend, _ = build(make_config(4, cudagraph_num_of_warmups=0))
     buffers = Buffers()

@@ -443,7 +443,7 @@ class CaptureSession:
         over the TP group, entered only once every rank has said its capture loop ended well:
         FastDeploy keeps them all until then, as vLLM registers once per session), publish them,
         then self-check them (a replay each) at one point."""
-        pending, self._unregistered = self._unregistered, []
+        pending = self._unregistered  # kept there until registered: _close discards them
         if not pending:
             return
         if self.registers:
@@ -451,6 +451,7 @@ class CaptureSession:
             # enters the registration's all_gather_object before every rank said it did not.
             self.agreement.run("capture loop", None, None, lambda: None)
         register(self.agreement, None, None)
+        self._unregistered = []
         for member, entry, _ in pending:
             member.publish(entry)
         mode = self.options.self_check
