@@ -149,3 +149,116 @@ def test_an_interrupt_while_a_rank_waits_at_a_point_is_handed_back_with_the_outc
     thread.join(60)
     assert agreed.complete and agreed.interrupted
     assert agreed.shared() == ["zero", "one"]
+
+
+# ------------------------------------------------------------------- what a post may weigh
+
+
+def _posts(store: Store) -> dict[str, bytes]:
+    """Every post (status or 'left' mark) written to ``store``, by key."""
+    return {key: value for key, value in store.values.items() if isinstance(value, bytes)}
+
+
+def test_the_largest_posts_a_capture_session_makes_fit_under_the_cap(plugin_registered):
+    """A session of a target and an MTP draft over FastDeploy's default list at its largest
+    (max_num_seqs 512, k = 1: 35 sizes up to 1,024 tokens), none warmed, through a rank's real
+    end over the store: its plan; the self-check of every graph of both, each failed
+    (FD_CUDAGRAPH_SELF_CHECK=warn, as a model with a host-side value fails it); then a capture
+    that runs out of memory with the longest error a rank posts, in 4-byte characters. Each post
+    must stay within MAX_POST_BYTES: over it, the rank's post is replaced by a MalformedStatus
+    that blames another plugin version (the self-check's did: 17,273 bytes)."""
+    from types import SimpleNamespace
+
+    import paddle
+    import pytest
+    from conftest import HIDDEN, DecoratedBackbone, DecoratedDraft, make_config
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin.core import guards
+    from fd_cudagraph_plugin.core.capture import self_checks
+    from fd_cudagraph_plugin.core.errors import CaptureError
+    from fd_cudagraph_plugin.core.ranks.messages import (
+        MAX_POST_BYTES,
+        PlanPayload,
+        SelfChecks,
+        read_posted,
+    )
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    config = make_config(512, speculative=mtp, draft_model_use_cudagraph=True)
+    target, draft = DecoratedBackbone(fd_config=config), DecoratedDraft(fd_config=config)
+    runner = GPUModelRunner(config, target, draft_model=draft)
+    runner.profile_run()
+    sizes = config.graph_opt_config.cudagraph_capture_sizes
+    count = len(sizes)
+    assert count == 35 and max(sizes) == 1024
+    store = Store()
+
+    def differs(key):
+        wrong = SimpleNamespace(
+            phase=key.phase,
+            size=key.size,
+            replay=lambda: None,
+            result=paddle.full([key.size, HIDDEN], 0.5, dtype="bfloat16"),
+        )
+        eager = paddle.full([key.size, HIDDEN], -12345.6, dtype="bfloat16")
+        return lambda: guards.self_check(wrong, lambda: eager)
+
+    def out_of_memory():
+        raise MemoryError("CUDA out of memory " + "\U0001f600" * 10_000)
+
+    with (
+        pytest.raises(CaptureError, match="MemoryError: CUDA out of memory"),
+        CaptureSession(
+            "decode", fd_config=config, runner=runner, link=StoreLink(store, "g", 0, 1)
+        ) as session,
+    ):
+        members = session.members
+        assert sorted(m.role for m in members) == ["draft", "target"]
+        checks = [
+            (f"{m.role} {e.key}", m, e.key, differs(e.key)) for m in members for e in m.expected()
+        ]
+        assert len(checks) == 2 * count
+        assert len(self_checks(session.agreement, checks, error=False)) == 2 * count
+        largest = max(members[0].expected(), key=lambda e: e.key.size)
+        session.agreement.run("capture", members[0], largest.key, out_of_memory)
+    posts = {key: read_posted(body) for key, body in _posts(store).items()}
+    kinds = {type(p.status.payload).__name__: key for key, p in posts.items()}
+    plan, checked = posts[kinds["PlanPayload"]], posts[kinds["SelfChecks"]]
+    assert isinstance(plan.status.payload, PlanPayload)
+    assert [len(u.decode) for u in plan.status.payload.unwarmed] == [count, count]
+    assert isinstance(checked.status.payload, SelfChecks)
+    assert len(checked.status.payload.failed) == 2 * count
+    assert all("differs (max abs difference" in v for v in checked.status.payload.failed.values())
+    failures = [p.status.failure for p in posts.values() if p.status.failure is not None]
+    assert failures and all(f.error.startswith("MemoryError: CUDA out of memory") for f in failures)
+    assert all(f.out_of_memory and f.advice for f in failures)
+    sizes = {key: len(body) for key, body in _posts(store).items()}
+    assert max(sizes.values()) <= MAX_POST_BYTES, sizes
+
+
+def test_a_post_over_the_cap_is_its_ranks_failure_and_bytes_over_it_are_never_read():
+    """messages.py: one over MAX_POST_BYTES is its rank's failure, never a truncated read."""
+    import msgspec
+    import pytest
+
+    from fd_cudagraph_plugin.core.ranks.messages import (
+        MAX_POST_BYTES,
+        MAX_TEXT,
+        SelfChecks,
+        read_posted,
+    )
+
+    heavy = SelfChecks(failed={f"target decode size {n}": "x" * MAX_TEXT for n in range(9)})
+    body = encode(Posted(point="c1.s1.0", label="self-check", status=Status(payload=heavy)))
+    assert len(body) > MAX_POST_BYTES
+    with pytest.raises(msgspec.DecodeError, match=rf"^{len(body)} bytes, over {MAX_POST_BYTES}$"):
+        read_posted(body)
+    store = Store()
+    agreed = StoreLink(store, "g", 0, 1).agree("c1.s1.0", "self-check", Status(payload=heavy), 5)
+    written = _posts(store)["g/c1.s1.0/s0"]
+    assert len(written) <= MAX_POST_BYTES and read_posted(written).status.failure is not None
+    message = str(agreed_error(agreed, 1, 5))
+    assert "MalformedStatus: rank 0 posted a status at 'self-check'" in message
+    assert f"it is {len(body)} bytes, over {MAX_POST_BYTES}" in message

@@ -387,16 +387,20 @@ def self_checks(agreement: Agreement, checks: list[Check], error: bool) -> set[s
     if not found:
         return set()
     world = len(everyone)
-    messages = [why if world == 1 else f"rank {r}: {why}" for r, _, why in found]
+    said = "; ".join(
+        f"{'' if world == 1 else f'rank {r}: '}CUDA graph self-check failed for {why}"
+        for r, _, why in found
+    )
+    said += (  # said once, however many graphs failed: one post carries every graph's verdict
+        ". An op in the model does not replay like it runs eagerly (host-side values, dynamic "
+        "shapes, or an all-reduce outside the capture context)."
+    )
     if error:
-        message = "; ".join(messages) + " (FD_CUDAGRAPH_SELF_CHECK=error)"
+        message = said + " (FD_CUDAGRAPH_SELF_CHECK=error)"
         if world > 1:
             message += " Every tensor-parallel rank stops here."
         ranks = tuple(sorted({r for r, _, _ in found}))
         raise agreement.stop(SelfCheckError(message, stage="self-check", failed_ranks=ranks))
-    logger.warning(
-        "CUDA graph self-check failed: %s. Every rank serves %s eagerly from now on.",
-        "; ".join(messages),
-        ", ".join(sorted({label for _, label, _ in found})),
-    )
+    labels = ", ".join(sorted({label for _, label, _ in found}))
+    logger.warning("%s Every rank serves %s eagerly from now on.", said, labels)
     return {label for _, label, _ in found}

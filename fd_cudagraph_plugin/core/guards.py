@@ -125,13 +125,8 @@ def clone(result: Any) -> Any:
 
 def self_check(entry: Any, eager: Any) -> str | None:
     """Replay ``entry``'s new graph and compare with ``eager()`` on the same inputs; None when
-    they agree, else a message naming the size and what differs."""
+    they agree, else the graph's phase and size and what differs (one session's post carries
+    every graph's, so what it means is said once, by ``capture.self_checks``)."""
     entry.replay()
     problem = first_mismatch(clone(entry.result), eager())
-    if problem is None:
-        return None
-    return (
-        f"CUDA graph self-check failed for {entry.phase} size {entry.size}: {problem}. An op in "
-        f"the model does not replay like it runs eagerly (host-side values, dynamic shapes, or an "
-        f"all-reduce outside the capture context)."
-    )
+    return None if problem is None else f"{entry.phase} size {entry.size}: {problem}"
