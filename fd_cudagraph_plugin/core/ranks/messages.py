@@ -17,8 +17,8 @@ from msgspec import Meta, Struct
 #: status) in one signed 64-bit value of Paddle's store (``verdict.py``). FastDeploy's TP groups
 #: are one node or two (8, 16).
 MAX_RANKS = 20
-#: A post's cap. The largest a rank writes is the plan point's, a target and an MTP draft with
-#: every size unwarmed; one over the cap is its rank's failure, never a truncated read.
+#: A post's cap. The largest a session writes (test_link.py): every graph's self-check failed, or
+#: a failure's longest error; one over the cap is its rank's failure, never a truncated read.
 MAX_POST_BYTES = 16 << 10
 MAX_LABEL = 200
 MAX_TEXT = 2000
