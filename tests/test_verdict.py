@@ -31,49 +31,37 @@ class Store:
 def _runs(world: int, present: tuple[int, ...], rule=verdict.point, record_expires=False):
     """Every end state of ``present`` ranks running ``rule``: a list of {rank: Verdict or
     'unrecorded'}. Depth first; a state already explored (the store's values and each rank's
-    replies so far, which decide all it does next) is not explored again."""
+    replies so far, which decide all it does next) is not explored again.
+
+    A rank's next step depends only on the replies it has had, so each rank's generator is run
+    once per distinct history of replies (``step``), never again for each path to it."""
     ends: list[dict[int, object]] = []
     visited: set = set()
+    steps: dict[tuple[int, tuple], tuple] = {}
 
-    def replay(choices: list[tuple[int, bool]]):
-        store = Store()
-        ranks = {r: rule(r, world, "c", "v") for r in present}
-        pending = {r: next(g) for r, g in ranks.items()}
-        seen: dict[tuple[int, str], int] = {}
-        told: set[tuple[int, str]] = set()
-        done: dict[int, object] = {}
-        for rank, expired in choices:
-            op = pending[rank]
-            if isinstance(op, Add):
-                reply = store.add(op.key, op.amount)
-            else:
-                value = store.add(op.key, 0)
-                seen[(rank, op.phase)] = value
-                if expired:
-                    told.add((rank, op.phase))
-                reply = (value, expired)
+    def step(rank: int, replies: tuple) -> tuple:
+        """(next operation, its local variables, None) or (None, (), what it returned)."""
+        key = (rank, replies)
+        if key not in steps:
+            generator = rule(rank, world, "c", "v")
             try:
-                pending[rank] = ranks[rank].send(reply)
+                op = next(generator)
+                for reply in replies:
+                    op = generator.send(reply)
             except StopIteration as stop:
-                done[rank] = stop.value
-                del pending[rank]
+                steps[key] = (None, (), stop.value)
             except Unrecorded:
-                done[rank] = "unrecorded"
-                del pending[rank]
-        state = (
-            tuple(sorted(store.values.items())),
-            tuple((r, pending.get(r), _locals(ranks[r]), done.get(r)) for r in present),
-            tuple(sorted(seen.items())),
-            tuple(sorted(told)),
-        )
-        return store, pending, seen, told, done, state
+                steps[key] = (None, (), "unrecorded")
+            else:
+                steps[key] = (op, _locals(generator), None)
+        return steps[key]
 
-    def moves(store, pending, seen, told):
+    def moves(values, pending, seen, told):
         for rank, op in pending.items():
             if isinstance(op, Add):
                 yield rank, False
                 continue
-            value = store.values.get(op.key, 0)
+            value = values.get(op.key, 0)
             # A read that tells the rank nothing leaves it where it was: only reads that can
             # decide are choices, and the moment its timeout runs out.
             telling = (
@@ -90,19 +78,37 @@ def _runs(world: int, present: tuple[int, ...], rule=verdict.point, record_expir
             if op.phase == "posts" or record_expires:
                 yield rank, True
 
-    def walk(choices):
-        store, pending, seen, told, done, state = replay(choices)
+    def walk(values: dict, histories: dict, seen: dict, told: frozenset) -> None:
+        now = {r: step(r, histories[r]) for r in present}
+        state = (
+            tuple(sorted(values.items())),
+            tuple((r, *now[r]) for r in present),
+            tuple(sorted(seen.items())),
+            tuple(sorted(told)),
+        )
         if state in visited:
             return
         visited.add(state)
-        options = list(moves(store, pending, seen, told))
+        pending = {r: op for r, (op, _, _) in now.items() if op is not None}
+        options = list(moves(values, pending, seen, told))
         if not options:
-            ends.append(done)
+            ends.append({r: found for r, (op, _, found) in now.items() if op is None})
             return
-        for option in options:
-            walk([*choices, option])
+        for rank, expired in options:
+            op = pending[rank]
+            after, now_seen, now_told = dict(values), seen, told
+            if isinstance(op, Add):
+                after[op.key] = after.get(op.key, 0) + op.amount
+                reply: object = after[op.key]
+            else:
+                value = after[op.key] = after.get(op.key, 0)
+                now_seen = {**seen, (rank, op.phase): value}
+                if expired:
+                    now_told = told | {(rank, op.phase)}
+                reply = (value, expired)
+            walk(after, {**histories, rank: (*histories[rank], reply)}, now_seen, now_told)
 
-    walk([])
+    walk({}, {r: () for r in present}, {}, frozenset())
     return ends
 
 
