@@ -17,7 +17,7 @@ from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.observability import STATS_FORMAT, StatsFile
 from fd_cudagraph_plugin.core.outputs import OutputFailures
 from fd_cudagraph_plugin.core.settings import Settings
-from fd_cudagraph_plugin.tools import engine_args
+from fd_cudagraph_plugin.tools import launch as launch_line
 from fd_cudagraph_plugin.tools.capture_rules import default_capture_sizes, fastdeploy_bsz_map
 from fd_cudagraph_plugin.tools.cli import main
 from fd_cudagraph_plugin.tools.plan import derive_plan
@@ -679,9 +679,7 @@ def test_under_expert_parallelism_tune_recommends_only_what_the_launch_captures(
 def test_in_the_mixed_role_from_2_5_no_size_is_filtered_and_tune_says_nothing_of_it(capsys):
     """From 2.5 the mixed role turns sequence-parallel MoE off before the filter (2.4 filters)."""
     histogram = {3: 10, 5: 4, 17: 2}
-    launch = engine_args.serving_input(
-        {"tensor_parallel_size": 8, "enable_expert_parallel": True, "max_num_seqs": 64}
-    )
+    launch = launch_line.read(["-tp", "8", "--enable-expert-parallel", "--max-num-seqs", "64"])
     mixed = tune(histogram, 3, fastdeploy_version="2.6", launch=launch)
     assert mixed.capture_sizes == [17, 5, 3] and not mixed.kept_by
     older = tune(histogram, 3, fastdeploy_version="2.4", launch=launch)
@@ -691,14 +689,12 @@ def test_in_the_mixed_role_from_2_5_no_size_is_filtered_and_tune_says_nothing_of
 def test_under_speculative_decoding_the_filter_is_on_token_sizes(capsys):
     """k = 1: FastDeploy captures s x 2 tokens and keeps those divisible by TP 4, so running
     requests must be even; plan of the same launch keeps every tuned size."""
-    launch = engine_args.serving_input(
-        {
-            "tensor_parallel_size": 4,
-            "enable_expert_parallel": True,
-            "splitwise_role": "decode",
-            "max_num_seqs": 32,
-            "speculative_config": '{"method": "mtp", "num_speculative_tokens": 1}',
-        }
+    launch = launch_line.read(
+        [
+            *("-tp", "4", "--enable-expert-parallel", "--splitwise-role", "decode"),
+            *("--max-num-seqs", "32"),
+            *("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'),
+        ]
     )
     result = tune(
         {1: 9, 3: 5, 7: 3, 30: 1},
@@ -736,8 +732,8 @@ def test_a_tuned_list_the_launch_would_cut_is_refused_not_recommended(monkeypatc
         self.divisor = 1
 
     monkeypatch.setattr(tune_module._Target, "__init__", forgetful)
-    launch = engine_args.serving_input(
-        {"tensor_parallel_size": 8, "enable_expert_parallel": True, "splitwise_role": "decode"}
+    launch = launch_line.read(
+        ["-tp", "8", "--enable-expert-parallel", "--splitwise-role", "decode"]
     )
     with pytest.raises(ConfigError, match=r"the tuned list \(.*\) would lose 17, 5, 3 in this"):
         tune({3: 10, 5: 4, 17: 2, 64: 1}, 4, fastdeploy_version="2.6", launch=launch)

@@ -60,7 +60,7 @@ MAX_PREFILL_SHAPE = 65536
 #: ranks than the largest ``max_num_seqs`` changes either, so larger values are refused as typos.
 MAX_TENSOR_PARALLEL_SIZE = 512
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
-#: ``--spec-method`` values; FastDeploy 2.4 and 2.5 call ngram ``ngram_match``.
+#: ``--speculative-config`` methods; FastDeploy 2.4 and 2.5 call ngram ``ngram_match``.
 SPEC_METHODS = ("mtp", "ngram", "suffix", "naive")
 #: Methods with a draft model of their own, the only readers of ``draft_model_use_cudagraph``: in
 #: every release (2.4_r3 through r3_mm_dev) only ``spec_decode/mtp.py`` and the runner's MTP
@@ -322,7 +322,7 @@ def check_even_token_cap(release: Release, method: str | None, k: int, max_num_s
         f"FastDeploy {release.name} asserts max_num_seqs x (k + 1) is even for {method} "
         f'("CUDAGraph only supports capturing even token nums in MTP scenarios"); got '
         f"{max_num_seqs} x {k + 1} = {tokens}. Use an even --max-num-seqs or an odd "
-        "--num-speculative-tokens."
+        "num_speculative_tokens in --speculative-config."
     )
 
 

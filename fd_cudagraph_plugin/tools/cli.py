@@ -20,13 +20,10 @@ import sys
 from typing import Any, NoReturn
 
 from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
-from fd_cudagraph_plugin.tools import engine_args, paddle_import
+from fd_cudagraph_plugin.tools import launch, paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
-    MAX_PREFILL_SHAPE,
-    MAX_SPECULATIVE_TOKENS,
     RULES,
-    SPEC_METHODS,
     TREE_NAMES,
     VERSION_FORMS,
     UnknownVersion,
@@ -39,7 +36,6 @@ from fd_cudagraph_plugin.tools.demo import (
     DEMO_MAX_STEPS,
     DEMO_SIZE_BOUND,
 )
-from fd_cudagraph_plugin.tools.traces import TOKEN_LIMIT
 from fd_cudagraph_plugin.tools.wording import shown
 
 DESCRIPTION = (
@@ -114,10 +110,6 @@ def _version(text: str) -> str:
     return text.strip()
 
 
-_PLAN_SIZES = Sizes(TOKEN_LIMIT, "the most tokens a FastDeploy step holds (int32 sequence lengths)")
-_SPECULATIVE_TOKENS = Integer(1, MAX_SPECULATIVE_TOKENS, "FastDeploy's range")
-
-
 # ------------------------------------------------------------------ commands
 
 
@@ -136,7 +128,7 @@ def _json(document: dict) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from fd_cudagraph_plugin.tools.plan import derive_plan, format_plan
 
-    plan = derive_plan(engine_args.serving_input(vars(args)))
+    plan = derive_plan(launch.read(args.launch, args.fastdeploy_version))
     paddle_import.check()
     print(_json(plan.to_json()) if args.json else format_plan(plan))
     return 0
@@ -163,81 +155,25 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ the parser
 
 
+_LAUNCH_LINE = (
+    "The rest of the command line is the deployment's FastDeploy launch line, as it is spelt "
+    "there (python -m fastdeploy.entrypoints.openai.api_server --model ... --max-num-seqs 64 "
+    "--graph-optimization-config '{...}' --speculative-config '{...}'), head included or not. "
+    "The installed FastDeploy's own parser reads it where it is the release asked for; "
+    "elsewhere fd-cudagraph reads the flags that change what is captured and names the others."
+)
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
-        help="print the capture sizes and padding maps FastDeploy derives for these settings",
+        allow_abbrev=False,
+        usage="fd-cudagraph plan [--fastdeploy-version V] [--json] [FASTDEPLOY LAUNCH LINE ...]",
+        help="print the capture sizes and padding maps FastDeploy derives for a launch line",
         description="The capture sizes, padding maps and graphs per backend that FastDeploy "
-        "derives for these serving settings: computed by the installed FastDeploy's own FDConfig "
-        "when it is the release asked for, else by the project's copy of that release's rules. "
-        "Takes FastDeploy's own flags as its command line spells them (--max-num-seqs, "
-        "--tensor-parallel-size, --graph-optimization-config and --speculative-config JSON, ...) "
-        "besides its own; a setting given both ways with two values is an error.",
-    )
-    engine_args.add_fastdeploy_flags(plan, Integer)
-    own = plan.add_argument_group("the same settings one by one")
-    own.add_argument(
-        "--spec-method",
-        choices=SPEC_METHODS,
-        default=None,
-        help="speculative decoding method (default: none, no speculative decoding)",
-    )
-    own.add_argument(
-        "--num-speculative-tokens",
-        type=_SPECULATIVE_TOKENS,
-        default=None,
-        help=f"draft tokens k, 1..{MAX_SPECULATIVE_TOKENS} (default 1 with --spec-method, "
-        "FastDeploy's default)",
-    )
-    own.add_argument(
-        "--sequence-parallel-moe",
-        action="store_true",
-        default=None,
-        help="use_sequence_parallel_moe itself: keeps decode sizes divisible by TP (default off)",
-    )
-    own.add_argument(
-        "--graph-opt-level",
-        type=Integer(0, 2, "0 dynamic, 1 static, 2 static with CINN"),
-        default=None,
-        help="graph_opt_level: 0 dynamic, 1 static (SOT), 2 static with CINN (default 0)",
-    )
-    own.add_argument(
-        "--full-cuda-graph",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="full_cuda_graph (default true); --no-full-cuda-graph with level >= 1 is static split",
-    )
-    own.add_argument(
-        "--max-capture-shape-prefill",
-        type=Integer(1, MAX_PREFILL_SHAPE, "8x the V1 scheduler's default max_num_batched_tokens"),
-        default=None,
-        help=f"max_capture_shape_prefill, 1..{MAX_PREFILL_SHAPE} (default 512; 2.5 and later)",
-    )
-    own.add_argument(
-        "--only-prefill",
-        action="store_true",
-        default=None,
-        help="cudagraph_only_prefill (default off)",
-    )
-    own.add_argument(
-        "--capture-sizes",
-        type=_PLAN_SIZES,
-        default=None,
-        help="cudagraph_capture_sizes, e.g. 1,2,4,8 (default: FastDeploy's automatic list)",
-    )
-    own.add_argument(
-        "--capture-sizes-prefill",
-        type=_PLAN_SIZES,
-        default=None,
-        help="cudagraph_capture_sizes_prefill, static split (default: FastDeploy's automatic "
-        "list, or 1,2,4,8 with --capture-sizes)",
-    )
-    own.add_argument(
-        "--draft-model-use-cudagraph",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="draft_model_use_cudagraph for MTP (default: the release's, true on develop "
-        "and false on the others)",
+        "derives for a launch line: computed by the installed FastDeploy's own FDConfig when it "
+        "is the release asked for, else by the project's copy of that release's rules. "
+        + _LAUNCH_LINE,
     )
     _add_release(plan)
     plan.add_argument("--json", action="store_true", help="print JSON")
@@ -247,18 +183,24 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _add_tune(sub: argparse._SubParsersAction) -> None:
     tune = sub.add_parser(
         "tune",
+        allow_abbrev=False,
+        usage="fd-cudagraph tune TRACE [TRACE ...] [--max-graphs N] [--max-size N] "
+        "[--fastdeploy-version V] [--json] [FASTDEPLOY LAUNCH LINE ...]",
         help="choose the capture sizes that pad a recorded decode trace least",
         description="Choose at most N capture sizes with the fewest padded tokens over a decode "
-        "trace (exact), and compare them with the deployed list (--capture-sizes, or what the "
-        "stats files record), else with FastDeploy's default list. Takes the deployment's "
-        "FastDeploy launch line: every list is what FastDeploy keeps of it for that launch "
-        "(filter_capture_size under tensor and expert parallelism), as plan prints it.",
+        "trace (exact), and compare them with the deployed list (cudagraph_capture_sizes of the "
+        "launch line, or what the stats files record), else with FastDeploy's default list. "
+        "Every list is what FastDeploy keeps of it for that launch (filter_capture_size under "
+        "tensor and expert parallelism), as plan prints it. The trace files come first. "
+        + _LAUNCH_LINE,
     )
     tune.add_argument(
         "trace",
         nargs="+",
         help="one decode token count per line, or the plugin's fd-cudagraph-stats/1 JSON "
-        "lines; - reads standard input; each file once",
+        "lines; - reads standard input; each file once. A plain trace holds running requests "
+        "per step where the launch line's --speculative-config gives mtp, ngram or suffix "
+        "(unless the stats files record k)",
     )
     tune.add_argument(
         "--max-graphs",
@@ -269,28 +211,12 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "capture time and graph memory and pads fewer tokens)",
     )
     tune.add_argument(
-        "--capture-sizes",
-        type=_PLAN_SIZES,
-        default=None,
-        help="the deployed cudagraph_capture_sizes, the list to beat (default: what the stats "
-        "files record, else FastDeploy's automatic list)",
-    )
-    tune.add_argument(
-        "--num-speculative-tokens",
-        type=_SPECULATIVE_TOKENS,
-        default=None,
-        help="k of MTP/ngram/suffix decoding: read a plain trace as running requests per step "
-        "and fit the sizes FastDeploy multiplies by k + 1 (default: the k stats files record, "
-        "else none: a plain trace holds token counts)",
-    )
-    tune.add_argument(
         "--max-size",
         type=Integer(1, DECODE_CAP, "FastDeploy's largest decode graph"),
         default=None,
         help="largest capture size (default: largest observed count); steps above it run "
         "eagerly and are left out",
     )
-    engine_args.add_fastdeploy_flags(tune, Integer)
     _add_release(tune)
     tune.add_argument("--json", action="store_true", help="print JSON")
     tune.set_defaults(run=_cmd_tune)
@@ -390,6 +316,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launch_line(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, words: list[str], rest: list[str]
+) -> list[str]:
+    """What the command's own options left: FastDeploy's launch line for ``plan`` and ``tune``,
+    an error for the others. Tune's trace files come first: a file after a launch flag could be
+    that flag's value, which only FastDeploy's parser knows."""
+    if args.command not in ("plan", "tune"):
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return []
+    if args.command == "tune" and rest:
+        first = words.index(rest[0])
+        late = [trace for trace in args.trace if words.index(trace) > first]
+        if late:
+            parser.error(
+                f"the trace file {late[0]} comes after FastDeploy's flags ({rest[0]}); give the "
+                "trace files first, then the launch line"
+            )
+    return rest
+
+
 # ------------------------------------------------------------------ running one command
 
 
@@ -447,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with paddle_import.watching():
             parser = build_parser()
+            words = sys.argv[1:] if argv is None else list(argv)
             try:
-                args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+                args, rest = parser.parse_known_args(words)
+                args.launch = _launch_line(parser, args, words, rest)
             except SystemExit as exit_info:
                 if exit_info.code in (0, None):
                     # --help and --version print, then exit 0; their output must be written too,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
-from fd_cudagraph_plugin.tools import capture_rules, launch_flags
+from fd_cudagraph_plugin.tools import capture_rules
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
     DRAFT_MODEL_METHODS,
@@ -46,59 +46,13 @@ from fd_cudagraph_plugin.tools.installed import (
     InstalledFastDeploy,
     derive_with_fastdeploy,
     installed_fastdeploy,
-    parse_with_fastdeploy,
     release_rules,
 )
+from fd_cudagraph_plugin.tools.launch import SPELLING, PlanInput
 from fd_cudagraph_plugin.tools.wording import plural, shown
 
-#: FastDeploy's default ``max_capture_shape_prefill``.
-DEFAULT_PREFILL_SHAPE = 512
 #: The ``format`` of ``plan --json``; a change that drops or renames a key bumps it.
 PLAN_FORMAT = "fd-cudagraph-plan/1"
-
-
-@dataclass(frozen=True)
-class PlanInput:
-    """The serving settings that decide the capture lists; defaults are FastDeploy's CLI ones."""
-
-    max_num_seqs: int = 8
-    num_speculative_tokens: int | None = None
-    spec_method: str | None = None
-    tensor_parallel_size: int = 1
-    sequence_parallel_moe: bool = False
-    graph_opt_level: int = 0
-    full_cuda_graph: bool = True
-    #: None: FastDeploy's default, 512 (2.4 has no prefill capture).
-    max_capture_shape_prefill: int | None = None
-    only_prefill: bool = False
-    capture_sizes: tuple[int, ...] | None = None
-    capture_sizes_prefill: tuple[int, ...] | None = None
-    splitwise_role: str = "mixed"
-    #: None: the release's default (true on develop, r3_mm_dev; false on the others).
-    draft_model_use_cudagraph: bool | None = None
-    #: None: the installed FastDeploy's release, else develop; else a fastdeploy-gpu version
-    #: (``2.6.1``), ``develop`` or a tree name (``capture_rules.rules_for_version``).
-    fastdeploy_version: str | None = None
-    #: ``use_cudagraph`` of ``--graph-optimization-config`` (FastDeploy's default: true).
-    use_cudagraph: bool = True
-    #: ``num_model_steps`` of ``--speculative-config``: MTP raises k to it (None: 1).
-    num_model_steps: int | None = None
-    #: What the command line's FastDeploy flags said that the plan does not show.
-    given_notes: tuple[str, ...] = ()
-    #: FastDeploy's ``use_ep`` (``--enable-expert-parallel`` over more than one rank).
-    expert_parallel: bool = False
-    #: ``--dynamic-load-weight``, and a host KV cache (``--swap-space`` above 0).
-    dynamic_load_weight: bool = False
-    host_cache: bool = False
-    #: FastDeploy's launch flags given (``(flag, negated)``), checked against the tree's parser;
-    #: and every FastDeploy flag given as tokens, for the installed FastDeploy's own parser.
-    launch_flags: tuple[tuple[str, bool], ...] = ()
-    fastdeploy_tokens: tuple[str, ...] = ()
-
-    @property
-    def prefill_shape(self) -> int:
-        given = self.max_capture_shape_prefill
-        return DEFAULT_PREFILL_SHAPE if given is None else given
 
 
 @dataclass(frozen=True)
@@ -238,26 +192,28 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
     if method is None:
         if k is not None:
             raise ConfigError(
-                f"--num-speculative-tokens {k} needs --spec-method (mtp, ngram or suffix): "
-                "without a method FastDeploy serves no draft tokens and ignores it."
+                f"{SPELLING['num_speculative_tokens']} {k} needs a method (mtp, ngram or "
+                "suffix): without one FastDeploy serves no draft tokens and ignores it."
             )
         return 0
     if method not in SPEC_METHODS:
         raise ConfigError(
-            f"--spec-method must be one of {', '.join(SPEC_METHODS)}; got {shown(method)}. "
+            f"{SPELLING['spec_method']} must be one of {', '.join(SPEC_METHODS)}; got "
+            f"{shown(method)}. "
             "Leave it out when serving without speculative decoding."
         )
     if method not in release.spec_methods:
         raise ConfigError(
-            f"--spec-method {method}: FastDeploy {release.name} has no such method (it has "
+            f"{SPELLING['spec_method']} {method}: FastDeploy {release.name} has no such method "
+            "(it has "
             f"{', '.join(release.spec_methods)}). Pick another --fastdeploy-version or method."
         )
     if method == "naive":
         if k:
             raise ConfigError(
-                f"--num-speculative-tokens {k} with --spec-method naive: FastDeploy's NAIVE has "
-                "no draft tokens (SpeculativeConfig resets k to 0). Leave --num-speculative-"
-                "tokens out."
+                f"{SPELLING['num_speculative_tokens']} {k} with method naive: FastDeploy's NAIVE "
+                "has no draft tokens (SpeculativeConfig resets k to 0). Leave "
+                "num_speculative_tokens out."
             )
         return 0
     steps = inputs.num_model_steps
@@ -270,7 +226,8 @@ def _effective_k(release: Release, inputs: PlanInput) -> int:
         k = 1
     elif bad_k(k):
         raise ConfigError(
-            f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} for "
+            f"{SPELLING['num_speculative_tokens']} must be an integer in "
+            f"1..{MAX_SPECULATIVE_TOKENS} for "
             f"{method}, FastDeploy's range (SpeculativeConfig refuses others); got {shown(k)}."
         )
     # SpeculativeConfig raises k to num_model_steps for MTP.
@@ -290,7 +247,7 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         "--tensor-parallel-size", inputs.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE
     )
     prefill_cap = check_count(
-        "--max-capture-shape-prefill", inputs.prefill_shape, 1, MAX_PREFILL_SHAPE
+        SPELLING["max_capture_shape_prefill"], inputs.prefill_shape, 1, MAX_PREFILL_SHAPE
     )
     if inputs.splitwise_role not in SPLITWISE_ROLES:
         raise ConfigError(
@@ -299,20 +256,20 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         )
     if inputs.graph_opt_level not in (0, 1, 2):
         raise ConfigError(
-            f"--graph-opt-level must be 0, 1 or 2; got {shown(inputs.graph_opt_level)}. "
+            f"{SPELLING['graph_opt_level']} must be 0, 1 or 2; got "
+            f"{shown(inputs.graph_opt_level)}. "
             "0 is dynamic, 1 static (SOT), 2 static with CINN."
         )
-    user_decode = _check_sizes("--capture-sizes", inputs.capture_sizes)
-    user_prefill = _check_sizes("--capture-sizes-prefill", inputs.capture_sizes_prefill)
+    user_decode = _check_sizes(SPELLING["capture_sizes"], inputs.capture_sizes)
+    user_prefill = _check_sizes(SPELLING["capture_sizes_prefill"], inputs.capture_sizes_prefill)
     k = _effective_k(release, inputs)
     draft = inputs.draft_model_use_cudagraph
     if draft is not None and inputs.spec_method not in DRAFT_MODEL_METHODS:
-        flag = f"--{'' if draft else 'no-'}draft-model-use-cudagraph"
-        given = f"--spec-method {inputs.spec_method}" if inputs.spec_method else "no --spec-method"
+        given = f"method {inputs.spec_method}" if inputs.spec_method else "no method"
         raise ConfigError(
-            f"{flag} sets draft_model_use_cudagraph, which only an MTP draft model reads; with "
-            f"{given} FastDeploy builds no draft model and ignores it. Leave it out, or pass "
-            "--spec-method mtp."
+            f"{SPELLING['draft_model_use_cudagraph']} {str(draft).lower()}: only an MTP draft "
+            f"model reads it; with {given} in {SPELLING['spec_method'].split()[0]} FastDeploy "
+            'builds no draft model and ignores it. Leave it out, or give "method": "mtp".'
         )
     odd = capture_rules.check_even_token_cap(release, inputs.spec_method, k, max_num_seqs)
     if odd:
@@ -395,14 +352,13 @@ def _source(
     s: ServingSettings,
     installed: InstalledFastDeploy | None,
     asked: bool,
-    version: str | None,
     inputs: PlanInput,
 ) -> _Source:
-    """FastDeploy's own parser and derivation where it is importable and is ``release``, else the
-    project's list of its flags and copy of its rules."""
+    """FastDeploy's own derivation where it is importable and is ``release``, else the project's
+    copy of its rules; ``inputs.read_by`` says which parser read the launch line."""
     copy = capture_rules.derive(release, s)
-    name = _rules_name(release, version)
-    flags = ""
+    name = _rules_name(release, inputs.fastdeploy_version)
+    read = f"; {inputs.read_by}" if inputs.read_by else ""
     if installed is None:
         why = "FastDeploy is not importable here" if asked else "asked for the copy"
     elif installed.problem:
@@ -410,7 +366,6 @@ def _source(
     elif installed.release != release.name:
         why = f"the installed FastDeploy {installed.version} follows {installed.release}'s rules"
     else:
-        flags = _flags_read_by(installed, inputs.fastdeploy_tokens)
         try:
             theirs, draft_default = derive_with_fastdeploy(installed, s)
         except FastDeployRefused as error:
@@ -424,57 +379,19 @@ def _source(
             )
         else:
             if theirs.use_cudagraph or not copy.use_cudagraph:
-                source = _from_fastdeploy(name, release, installed, copy, theirs, draft_default)
-                source.rules += flags
-                return source
+                rules = (
+                    f"{name}, computed by the installed FastDeploy's own FDConfig (version "
+                    f"{installed.version}){read}"
+                )
+                # FastDeploy keeps no trace of filter_capture_size: the rules say whether it ran.
+                derived = dataclasses.replace(theirs, filtered=copy.filtered)
+                return _Source(derived, rules, True, draft_default, [])
             why = (
                 "the installed FastDeploy turns use_cudagraph off on this machine's platform; "
                 "the plan is a CUDA machine's"
             )
-    rules = f"{name}, from the project's copy ({why}){flags}"
+    rules = f"{name}, from the project's copy ({why}){read}"
     return _Source(copy, rules, False, release.draft_model_use_cudagraph, [])
-
-
-def _flags_read_by(installed: InstalledFastDeploy, tokens: tuple[str, ...]) -> str:
-    """FastDeploy's own parser reads the FastDeploy flags given: what the rules line adds."""
-    if not tokens:
-        return ""
-    try:
-        which = parse_with_fastdeploy(installed, list(tokens))
-    except FastDeployRefused as error:
-        raise ConfigError(
-            f"FastDeploy {installed.version}'s own parser refuses these flags: {error}"
-        ) from None
-    except Exception as error:  # a FastDeploy whose parser does not build here
-        return (
-            "; its flags checked against the project's list (FastDeploy's own parser could not "
-            f"be built here: {type(error).__name__}: {str(error)[:200]})"
-        )
-    return f"; flags read by {which}"
-
-
-def _from_fastdeploy(
-    name: str,
-    release: Release,
-    installed: InstalledFastDeploy,
-    copy: Derived,
-    theirs: Derived,
-    draft_default: bool,
-) -> _Source:
-    notes = []
-    fields = [f.name for f in dataclasses.fields(Derived) if f.name != "filtered"]
-    drift = [name for name in fields if getattr(copy, name) != getattr(theirs, name)]
-    if drift:
-        notes.append(
-            f"the project's copy of FastDeploy {release.name}'s rules differs from the installed "
-            f"FastDeploy in {', '.join(drift)}; the plan shows FastDeploy's. Please report it."
-        )
-    rules = (
-        f"{name}, computed by the installed FastDeploy's own FDConfig (version {installed.version})"
-    )
-    # FastDeploy keeps no trace of filter_capture_size: whether it ran is the rules' answer.
-    derived = dataclasses.replace(theirs, filtered=copy.filtered)
-    return _Source(derived, rules, True, draft_default, notes)
 
 
 def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
@@ -486,8 +403,7 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     installed = installed_fastdeploy() if use_fastdeploy else None
     release = release_rules(inputs.fastdeploy_version, installed)
     s = _validate(release, inputs)
-    launch_notes = launch_flags.check(release.name, list(inputs.launch_flags))
-    source = _source(release, s, installed, use_fastdeploy, inputs.fastdeploy_version, inputs)
+    source = _source(release, s, installed, use_fastdeploy, inputs)
     derived, notes = source.derived, source.notes
     mode = _mode(release, derived.graph_opt_level, inputs.full_cuda_graph)
     # What postprocess changed is what FastDeploy serves with: describe the backends from it.
@@ -525,13 +441,12 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
     _size_notes(notes, release, inputs, mode, s, prefill)
     _list_notes(notes, release, s, derived)
     _postprocess_notes(notes, release, inputs, derived)
-    notes.extend(launch_notes)
     if not decode:
         noun = "request" if scale > 1 else "token"
         raise ConfigError(
             "no decode capture size is left: FastDeploy would build an empty "
             "cudagraph_capture_sizes and GraphOptBackend fails on its first call. "
-            f"Give --capture-sizes at or below {plural(cap // scale, noun)}"
+            f"Give {SPELLING['capture_sizes']} at or below {plural(cap // scale, noun)}"
             + (f" divisible by {s.tensor_parallel_size}" if derived.filtered else "")
             + ", or raise --max-num-seqs."
         )
@@ -654,9 +569,9 @@ def _size_notes(
         ignored = [
             flag
             for flag, given in (
-                ("--capture-sizes-prefill", inputs.capture_sizes_prefill is not None),
-                ("--max-capture-shape-prefill", inputs.max_capture_shape_prefill is not None),
-                ("--no-full-cuda-graph", not inputs.full_cuda_graph),
+                ("cudagraph_capture_sizes_prefill", inputs.capture_sizes_prefill is not None),
+                ("max_capture_shape_prefill", inputs.max_capture_shape_prefill is not None),
+                ("full_cuda_graph false", not inputs.full_cuda_graph),
             )
             if given
         ]
@@ -670,7 +585,7 @@ def _size_notes(
     if user_decode is None and user_prefill is not None:
         notes.append(
             "cudagraph_capture_sizes_prefill is replaced by FastDeploy's automatic list when "
-            "cudagraph_capture_sizes is not given; pass --capture-sizes too to keep it."
+            "cudagraph_capture_sizes is not given; give cudagraph_capture_sizes too to keep it."
         )
     keeps_default = mode == "static split" and user_decode is not None and user_prefill is None
     if keeps_default and s.max_capture_shape_prefill > 8:
@@ -678,7 +593,7 @@ def _size_notes(
             "static split with user cudagraph_capture_sizes keeps cudagraph_capture_sizes_"
             f"prefill at [8, 4, 2, 1]: prefill steps of 9..{s.max_capture_shape_prefill} tokens "
             "make FastDeploy's backend raise KeyError (the plugin runs them eagerly). Set "
-            "--capture-sizes-prefill too."
+            "cudagraph_capture_sizes_prefill too."
         )
     dropped = sorted({size for size in user_prefill or () if size > s.max_capture_shape_prefill})
     if dropped and user_decode is not None:
@@ -723,7 +638,7 @@ def _list_notes(notes: list[str], release: Release, s: ServingSettings, derived:
     if s.splitwise_role == "prefill" and not derived.use_cudagraph:
         notes.append(
             "splitwise_role prefill sets use_cudagraph to cudagraph_only_prefill (false): this "
-            "node captures no graph; pass --only-prefill to graph its prefill steps."
+            "node captures no graph; give cudagraph_only_prefill true to graph its prefill steps."
         )
     if (
         release.has_prefill_list
@@ -925,12 +840,11 @@ def format_plan(plan: Plan) -> str:
     sp_moe = "on" if inputs.sequence_parallel_moe else "off"
     lines = [
         f"rules: {plan.rules}",
-        (
-            "the project's copy of these rules, compared with them: read from "
+        *(
+            []
             if plan.from_fastdeploy
-            else "rules read from: "
-        )
-        + capture_rules.RULES[plan.release].source,
+            else [f"rules read from: {capture_rules.RULES[plan.release].source}"]
+        ),
         f"settings: max_num_seqs={inputs.max_num_seqs}, speculative={spec}, "
         f"tensor_parallel_size={inputs.tensor_parallel_size}, sequence-parallel MoE={sp_moe}, "
         f"graph_opt_level={inputs.graph_opt_level}, full_cuda_graph="

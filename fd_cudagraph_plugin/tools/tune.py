@@ -9,7 +9,8 @@ Without speculative decoding a count is the decode step's tokens. With MTP, ngra
 decoding FastDeploy keys graphs by running requests: it captures each ``cudagraph_capture_sizes``
 entry ``s`` as ``s * (k + 1)`` tokens and maps ``r`` running requests to the smallest captured
 ``s >= r``. Stats lines then carry ``running_request_counts`` and ``num_speculative_tokens``; a
-plain trace is read as running requests when ``--num-speculative-tokens`` is given. Either way the
+plain trace is read as running requests when the launch line's ``--speculative-config`` gives
+mtp, ngram or suffix (k: its ``num_speculative_tokens``, 1 by default). Either way the
 sizes are fitted in running requests, and each padded request slot costs ``k + 1`` tokens, so the
 same optimum serves both. FastDeploy 2.6 and develop take ``cudagraph_capture_sizes`` in those
 units; 2.5 takes tokens, so the config printed for it holds ``s * (k + 1)``; 2.4 keys speculative
@@ -54,8 +55,8 @@ from fd_cudagraph_plugin.tools.capture_rules import (
     Release,
     bad_k,
 )
+from fd_cudagraph_plugin.tools.launch import SPELLING, PlanInput, read
 from fd_cudagraph_plugin.tools.plan import (
-    PlanInput,
     check_count,
     derive_plan,
     graphs_phrase,
@@ -159,8 +160,9 @@ class TuneResult:
     observed: tuple[int, int] = (1, 1)
     #: The FastDeploy release whose rules applied; 2.5 takes speculative sizes in tokens.
     fastdeploy_version: str = "develop"
-    #: What the baseline is: ``from --capture-sizes`` (or ``from stats.jsonl:1``: the deployed
-    #: list), or ``FastDeploy develop's list for max_num_seqs=40``.
+    #: What the baseline is: ``from --graph-optimization-config cudagraph_capture_sizes`` (or
+    #: ``from stats.jsonl:1``: the deployed list), or ``FastDeploy develop's list for
+    #: max_num_seqs=40``.
     baseline_label: str = ""
     #: Steps the tuned list graphs that are above the baseline's largest size (eager there).
     baseline_eager_steps: int = 0
@@ -240,7 +242,7 @@ TUNE_FORMAT = "fd-cudagraph-tune/1"
 def _speculative_tokens(
     histogram: Mapping[int, int], requested: int | None, release: Release
 ) -> int:
-    """k for this fit: from the stats lines, else ``--num-speculative-tokens``, else 0."""
+    """k for this fit: from the stats lines, else the launch line's, else 0."""
     recorded = getattr(histogram, "num_speculative_tokens", None)
     kinds = getattr(histogram, "kinds", set())
     k = (recorded or 0) if requested is None else _requested_k(requested, recorded, kinds)
@@ -248,7 +250,7 @@ def _speculative_tokens(
         raise ConfigError(
             f"FastDeploy {release.name} builds no real_bsz_to_captured_size: its speculative "
             "graphs are keyed by token count, so sizes fitted in running requests do not apply. "
-            "Tune a trace of decode token counts (without --num-speculative-tokens), or pick "
+            "Tune a trace of decode token counts (without --speculative-config), or pick "
             "another --fastdeploy-version."
         )
     return k
@@ -257,19 +259,21 @@ def _speculative_tokens(
 def _requested_k(requested: int, recorded: int | None, kinds: set[str]) -> int:
     if bad_k(requested):
         raise ConfigError(
-            f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+            "num_speculative_tokens of --speculative-config must be an integer in "
+            f"1..{MAX_SPECULATIVE_TOKENS}, "
             f"FastDeploy's range for mtp, ngram and suffix; got {shown(requested)}."
         )
     if recorded is not None and recorded != requested:
         raise ConfigError(
-            f"--num-speculative-tokens {requested} differs from the stats files' "
-            f"num_speculative_tokens {recorded}; leave the flag out."
+            f"num_speculative_tokens of --speculative-config: {requested} differs from the stats "
+            "files' "
+            f"num_speculative_tokens {recorded}; leave it out."
         )
     if "decode" in kinds:
         raise ConfigError(
-            "--num-speculative-tokens reads a plain trace as running requests, but these stats "
+            "--speculative-config makes a plain trace running requests, but these stats "
             "files hold decode token counts (recorded without running_request_counts); leave "
-            "the flag out."
+            "it out."
         )
     return requested
 
@@ -369,7 +373,9 @@ def tune(
     deployed = _deployed_sizes(deployment, k, release)
     if deployed:
         if not deployment.capture_sizes_in_tokens:
-            deployed = target.kept(deployed, f"--capture-sizes {_joined(deployed)}", refuse=False)
+            deployed = target.kept(
+                deployed, f"cudagraph_capture_sizes {_joined(deployed)}", refuse=False
+            )
         baseline = deployed
         label = f"from {deployment.capture_sizes_from}"
     else:
@@ -609,7 +615,7 @@ def _notes(histogram: Mapping[int, int], k: int, sizes: list[int], top: int, rel
             "count: FastDeploy multiplies user-given capture sizes by k + 1 and keys graphs by "
             "running requests, so this token-count list does not carry over as it is. Record "
             "running_request_counts (a newer plugin) or pass a trace of running requests with "
-            "--num-speculative-tokens."
+            "the launch line's --speculative-config."
         )
     else:
         notes.append(
@@ -740,41 +746,44 @@ def _histogram_lines(result: TuneResult, noun: str) -> list[str]:
 
 
 def run_tune(args: Any) -> TuneResult:
-    """``fd-cudagraph tune``: read the traces, take the deployment from the launch flags and the
-    stats files (a flag and a file that disagree are an error naming both), tune."""
-    from fd_cudagraph_plugin.tools import engine_args
-
-    launch = engine_args.serving_input(vars(args))
+    """``fd-cudagraph tune``: read the traces, take the deployment from the launch line and the
+    stats files (a setting both give with two values is an error naming both), tune."""
+    launch = read(args.launch, args.fastdeploy_version)
     histogram = read_histogram(args.trace)
+    k = None
+    if launch.spec_method in ("mtp", "ngram", "suffix"):
+        k = launch.num_speculative_tokens or 1  # SpeculativeConfig's default
+        if launch.spec_method == "mtp":
+            k = max(k, launch.num_model_steps or 1)  # raised to num_model_steps for MTP
     return tune(
         histogram,
         args.max_graphs,
         args.max_size,
-        launch.num_speculative_tokens,
+        k,
         fastdeploy_version=args.fastdeploy_version,
-        deployment=_deployment(args, launch, histogram),
+        deployment=_deployment(launch, histogram),
         launch=launch,
     )
 
 
-def _deployment(args: Any, launch: PlanInput, histogram: Histogram) -> Deployment:
+def _deployment(launch: PlanInput, histogram: Histogram) -> Deployment:
     seqs, seqs_from = histogram.max_num_seqs, histogram.max_num_seqs_from
-    if args.max_num_seqs is not None:
-        if seqs is not None and seqs != args.max_num_seqs:
+    if "max_num_seqs" in launch.given:
+        if seqs is not None and seqs != launch.max_num_seqs:
             raise ConfigError(
-                f"--max-num-seqs {args.max_num_seqs} and {seqs_from} (max_num_seqs {seqs}) "
+                f"--max-num-seqs {launch.max_num_seqs} and {seqs_from} (max_num_seqs {seqs}) "
                 "disagree; leave the flag out, or tune the stats of that deployment."
             )
-        seqs, seqs_from = args.max_num_seqs, seqs_from or "--max-num-seqs"
+        seqs, seqs_from = launch.max_num_seqs, seqs_from or "--max-num-seqs"
     sizes, sizes_from = histogram.capture_sizes, histogram.capture_sizes_from
     in_tokens = sizes is not None
     if launch.capture_sizes is not None:
         given = tuple(sorted(set(launch.capture_sizes), reverse=True))
-        flag = "--capture-sizes" if args.capture_sizes else "--graph-optimization-config"
+        flag = SPELLING["capture_sizes"]
         if sizes is not None and sizes != given:
             raise ConfigError(
-                f"{flag} {','.join(map(str, given))} and {sizes_from} (capture_sizes "
-                f"{','.join(map(str, sizes))}) disagree; leave the flag out, or tune the stats "
+                f"{flag} {_joined(given)} and {sizes_from} (capture_sizes "
+                f"{','.join(map(str, sizes))}) disagree; leave it out, or tune the stats "
                 "of that deployment."
             )
         if sizes is None:
