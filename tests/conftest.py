@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -64,6 +65,18 @@ VOCAB = 32
 
 #: FastDeploy releases the stand-in emulates (``fastdeploy._stub_version``).
 FD_VERSIONS = _stub_version.VERSIONS
+
+
+def graph_config(**keys) -> list[str]:
+    """``--graph-optimization-config`` with ``keys``, as FastDeploy's launch line spells it."""
+    return ["--graph-optimization-config", json.dumps(keys)]
+
+
+def speculative_config(**keys) -> list[str]:
+    """``--speculative-config`` with ``keys``, as FastDeploy's launch line spells it."""
+    return ["--speculative-config", json.dumps(keys)]
+
+
 #: Modes that exist per release: static split needs capture_model_prefill_and_mixed (2.5+).
 MODE_VERSIONS = {
     "dynamic": FD_VERSIONS,

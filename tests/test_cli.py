@@ -256,7 +256,7 @@ def test_with_stdout_closed_bad_input_is_said_as_such():
         timeout=120,
     )
     assert done.returncode == 2
-    assert "--max-num-seqs: must be an integer in 1..512" in done.stderr and "got -5" in done.stderr
+    assert "--max-num-seqs must be an integer in 1..512; got -5." in done.stderr
     assert "standard output is closed" not in done.stderr
 
 
@@ -274,9 +274,17 @@ def test_tune_max_graphs_is_bounded_as_its_help_says(value):
 
 @pytest.mark.parametrize(
     "argv",
-    [["plan", "--max-num-seqs", "abc"], ["bogus"], ["plan", "--bogus"], ["tune"]],
+    [
+        ["tune", "-", "--max-graphs", "abc"],
+        ["bogus"],
+        ["demo", "--bogus"],
+        ["plan", "--fastdeploy-version"],
+        ["tune"],
+    ],
 )
 def test_a_usage_error_is_one_line_that_says_where_the_usage_is(argv):
+    """A usage error of the tools' own options. (plan's other words are FastDeploy's launch line,
+    whose bad values are the next test's.)"""
     # Before: argparse's usage block, 15 lines for plan, then the error.
     done = subprocess.run(
         [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
@@ -287,3 +295,16 @@ def test_a_usage_error_is_one_line_that_says_where_the_usage_is(argv):
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith("fd-cudagraph") and line.endswith("--help.")
+
+
+def test_a_bad_launch_line_value_is_one_line_naming_the_flag_and_its_bound():
+    done = subprocess.run(
+        [sys.executable, "-m", "fd_cudagraph_plugin", "plan", "--max-num-seqs", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "fd-cudagraph: --max-num-seqs must be an integer in 1..512; got 'abc'."
+    ]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import graph_config, speculative_config
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.tools.cli import build_parser, main
@@ -38,12 +39,6 @@ UNBOUNDED = [
     (["demo", "--steps", HUGE], ["--steps", "in 1..1000000", "(5000 digits)"]),
     (["demo", "--seed", HUGE], ["--seed", "0..4294967295", "(5000 digits)"]),
     (["demo", "--seed", "-1"], ["--seed", "0..4294967295", "got -1"]),
-    (["plan", "--capture-sizes", HUGE], ["--capture-sizes", "(5000 digits)", "2147483647"]),
-    (["plan", "--max-num-seqs", HUGE], ["--max-num-seqs", "in 1..512", "(5000 digits)"]),
-    (["plan", "--num-speculative-tokens", HUGE], ["--num-speculative-tokens", "in 1..5"]),
-    (["plan", "--tensor-parallel-size", HUGE], ["--tensor-parallel-size", "in 1..512"]),
-    (["plan", "--max-capture-shape-prefill", HUGE], ["--max-capture-shape-prefill", "65536"]),
-    (["plan", "--graph-opt-level", HUGE], ["--graph-opt-level", "in 0..2"]),
     (["tune", "-", "--max-graphs", HUGE], ["--max-graphs", "in 1..512", "(5000 digits)"]),
     (["tune", "-", "--max-graphs", "1", "--max-size", HUGE], ["--max-size", "in 1..512"]),
 ]
@@ -61,29 +56,110 @@ def test_every_size_and_count_is_bounded_with_one_line_naming_option_and_bound(
     assert len(error) < 300, error
 
 
+def _huge(key: str) -> str:
+    """A JSON object whose ``key`` holds the 5000-digit integer (past what Python converts)."""
+    value = f"[{HUGE}]" if key == "cudagraph_capture_sizes" else HUGE
+    method = '"method": "mtp", ' if key == "num_speculative_tokens" else ""
+    return f'{{{method}"{key}": {value}}}'
+
+
+UNBOUNDED_LAUNCH = [
+    # (FastDeploy's launch line, what the one error line must hold)
+    (
+        ["--graph-optimization-config", _huge("cudagraph_capture_sizes")],
+        ["--graph-optimization-config", "cudagraph_capture_sizes", "(5000 digits)", "2147483647"],
+    ),
+    (["--max-num-seqs", HUGE], ["--max-num-seqs", "in 1..512", "(5000 digits)"]),
+    (
+        ["--speculative-config", _huge("num_speculative_tokens")],
+        ["--speculative-config", "num_speculative_tokens", "(5000 digits)", "..5"],
+    ),
+    (["--tensor-parallel-size", HUGE], ["--tensor-parallel-size", "in 1..512", "(5000 digits)"]),
+    (
+        ["--graph-optimization-config", _huge("max_capture_shape_prefill")],
+        ["max_capture_shape_prefill", "1..65536", "(5000 digits)"],
+    ),
+    (
+        ["--graph-optimization-config", _huge("graph_opt_level")],
+        ["graph_opt_level", "in 0..2", "(5000 digits)"],
+    ),
+]
+
+
+@pytest.mark.parametrize("release", ["2.6", "develop"], ids=["copy", "FastDeploy's parser"])
 @pytest.mark.parametrize(
-    ("argv", "wanted"),
+    ("launch", "wanted"),
+    UNBOUNDED_LAUNCH,
+    ids=["sizes", "max_num_seqs", "k", "tp", "prefill shape", "graph_opt_level"],
+)
+def test_every_launch_line_size_and_count_is_bounded_with_one_short_line(
+    launch, wanted, release, capsys
+):
+    """Read by the small parser (2.6 here) or by the stand-in FastDeploy's own (develop): one line
+    naming the setting and its bound, the value shortened. Where FastDeploy's parser refuses the
+    value itself, the line is its refusal, the value shortened all the same."""
+    assert main(["plan", "--fastdeploy-version", release, *launch]) == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert HUGE not in error, error[:300]
+    if "own parser refuses this launch line" not in error:
+        assert all(part in error for part in wanted), error
+    assert len(error) < 300, error
+
+
+def test_a_size_list_with_an_empty_or_wrong_entry_is_refused_saying_which(capsys):
+    """``--sizes 1,,2`` used to be read as 1,2: a setting FastDeploy would not take."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["demo", "--sizes", "1,,2"])
+    assert exit_info.value.code == 2
+    assert "entry 2 of '1,,2' is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "wanted"),
     [
-        (["plan", "--capture-sizes", "1,,2"], "entry 2 of '1,,2' is empty"),
-        (["plan", "--capture-sizes", "1,2,"], "entry 3 of '1,2,' is empty"),
-        (["plan", "--capture-sizes-prefill", ",8"], "entry 1 of ',8' is empty"),
-        (["demo", "--sizes", "1,,2"], "entry 2 of '1,,2' is empty"),
-        (["plan", "--capture-sizes", "1,x"], "entry 2, 'x', is not an integer"),
+        ('{"cudagraph_capture_sizes": [1,,2]}', "is not valid JSON (Expecting value at column 32)"),
+        ('{"cudagraph_capture_sizes": [1,2,]}', "is not valid JSON (Expecting value at column 34)"),
+        (
+            '{"cudagraph_capture_sizes_prefill": [,8]}',
+            "is not valid JSON (Expecting value at column 38)",
+        ),
+        (
+            '{"cudagraph_capture_sizes": [1, "x"]}',
+            "each cudagraph_capture_sizes entry must be an integer in 1..2147483647; got 'x'.",
+        ),
+        # A string FastDeploy would keep as a string in its list of sizes.
+        (
+            '{"cudagraph_capture_sizes": [1, "8"]}',
+            "each cudagraph_capture_sizes entry must be an integer in 1..2147483647; got ",
+        ),
     ],
 )
-def test_a_size_list_with_an_empty_or_wrong_entry_is_refused_saying_which(argv, wanted, capsys):
-    """``--capture-sizes 1,,2`` used to be read as 1,2: a setting FastDeploy would not take."""
-    with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(argv)
-    assert exit_info.value.code == 2
-    assert wanted in capsys.readouterr().err
+def test_a_json_size_list_with_an_empty_or_wrong_entry_is_refused_saying_which(
+    value, wanted, capsys
+):
+    """Read by the small parser (the stand-in's own refuses what it cannot load: test_plan.py)."""
+    argv = ["plan", "--fastdeploy-version", "2.6", "--graph-optimization-config", value]
+    assert main(argv) == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith("fd-cudagraph: --graph-optimization-config") and wanted in error
 
 
-def test_a_5000_digit_size_is_called_too_large_not_a_non_integer(capsys):
-    assert main_exit(["plan", "--capture-sizes", HUGE]) == 2
+@pytest.mark.parametrize("release", ["2.6", "develop"], ids=["copy", "FastDeploy's parser"])
+def test_a_5000_digit_size_is_called_too_large_not_a_non_integer(release, capsys):
+    """Read by the small parser the size is called too large for its bound; FastDeploy's own
+    parser (the stand-in's, develop) cannot load such JSON and refuses the line, and that
+    refusal is shortened as any echo of a value is."""
+    argv = ["plan", "--fastdeploy-version", release]
+    assert main_exit([*argv, *graph_config(cudagraph_capture_sizes=[int(HUGE[:4000])])]) == 2
+    assert "(4000 digits)" in capsys.readouterr().err  # within what json.loads takes
+    assert main_exit([*argv, "--graph-optimization-config", _huge("cudagraph_capture_sizes")]) == 2
     err = capsys.readouterr().err
-    assert "comma-separated integers" not in err and HUGE not in err
-    assert "size 111111111111111111111111... (5000 digits) is above 2147483647" in err
+    assert HUGE not in err and err.count("\n") == 1 and len(err) < 300, err[:300]
+    if release == "develop":
+        assert "FastDeploy 2.6.0's own parser refuses this launch line" in err
+    else:
+        assert "not valid JSON" not in err and "sys.set_int_max_str_digits" not in err
+        assert "111111111111111111111111... (5000 digits)" in err and "2147483647" in err
 
 
 def main_exit(argv: list[str]) -> int:
@@ -144,10 +220,6 @@ def _actions(parser: argparse.ArgumentParser, name: str = "fd-cudagraph"):
             assert helped == set(action.choices), f"{name}: subcommands without help"
             for sub_name, sub in action.choices.items():
                 yield from _actions(sub, f"{name} {sub_name}")
-        elif action.help == argparse.SUPPRESS:
-            # FastDeploy's launch flags that change nothing captured: taken, named in a note,
-            # and left out of --help (test_engine_args.py).
-            continue
         elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             yield name, action
 
@@ -220,19 +292,21 @@ def test_tune_reports_a_read_error_on_standard_input_as_such(tmp_path):
 
 
 @pytest.mark.parametrize("method", [None, "ngram", "suffix", "naive"])
-@pytest.mark.parametrize("flag", ["--draft-model-use-cudagraph", "--no-draft-model-use-cudagraph"])
-def test_plan_refuses_draft_model_use_cudagraph_without_an_mtp_draft_model(method, flag, capsys):
+@pytest.mark.parametrize("draft", [True, False])
+def test_plan_refuses_draft_model_use_cudagraph_without_an_mtp_draft_model(method, draft, capsys):
     """Only an MTP draft model reads draft_model_use_cudagraph, in every release."""
-    spec = ["--spec-method", method] if method else []
-    assert main(["plan", *spec, flag]) == 2
+    spec = speculative_config(method=method) if method else []
+    assert main(["plan", *spec, *graph_config(draft_model_use_cudagraph=draft)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"fd-cudagraph: {flag} sets draft_model_use_cudagraph")
-    given = f"--spec-method {method}" if method else "no --spec-method"
-    assert f"with {given} FastDeploy builds no draft model and ignores it" in err
+    setting = f"--graph-optimization-config draft_model_use_cudagraph {str(draft).lower()}"
+    assert err.startswith(f"fd-cudagraph: {setting}: only an MTP draft model reads it")
+    given = f"method {method}" if method else "no method"
+    assert f"with {given} in --speculative-config FastDeploy builds no draft model" in err
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("flag", ["--draft-model-use-cudagraph", "--no-draft-model-use-cudagraph"])
-def test_plan_takes_draft_model_use_cudagraph_with_mtp(flag, capsys):
-    assert main(["plan", "--spec-method", "mtp", flag]) == 0
+@pytest.mark.parametrize("draft", [True, False])
+def test_plan_takes_draft_model_use_cudagraph_with_mtp(draft, capsys):
+    mtp = speculative_config(method="mtp")
+    assert main(["plan", *mtp, *graph_config(draft_model_use_cudagraph=draft)]) == 0
     assert "total graphs:" in capsys.readouterr().out

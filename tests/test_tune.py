@@ -11,7 +11,7 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import make_config
+from conftest import graph_config, make_config, speculative_config
 
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.observability import STATS_FORMAT, StatsFile
@@ -456,7 +456,8 @@ def test_speculative_stats_are_read_and_the_config_yields_the_fitted_graphs(tmp_
 def test_cli_reads_a_plain_trace_as_running_requests_with_k(tmp_path, capsys):
     trace = tmp_path / "running.txt"
     trace.write_text("1\n1\n1\n4\n")
-    assert main(["tune", str(trace), "--max-graphs", "1", "--num-speculative-tokens", "3"]) == 0
+    mtp = speculative_config(method="mtp", num_speculative_tokens=3)
+    assert main(["tune", str(trace), "--max-graphs", "1", *mtp]) == 0
     out = capsys.readouterr().out
     assert "speculative decoding, k = 3" in out and "padded tokens: tuned 36 " in out
     assert """--graph-optimization-config '{"cudagraph_capture_sizes": [4]}'""" in out
@@ -466,9 +467,29 @@ SPECULATIVE_ERRORS = [
     ([_running_line(2, {1: 1}), _running_line(3, {1: 1})], [], "earlier lines say 2"),
     ([_running_line(9, {1: 1})], [], '"num_speculative_tokens" must be an integer in 1..5'),
     ([_running_line(2, {1: 1}), _stats_line(0, "0x1", {1: 1})], [], "mix speculative stats"),
-    ([_running_line(2, {1: 1})], ["--num-speculative-tokens", "1"], "differs from the stats"),
-    ([_stats_line(0, "0x1", {1: 1})], ["--num-speculative-tokens", "1"], "leave the flag out"),
-    (["3"], ["--num-speculative-tokens", "100000000"], "--num-speculative-tokens: must be"),
+    (
+        [_running_line(2, {1: 1})],
+        speculative_config(method="mtp", num_speculative_tokens=1),
+        "num_speculative_tokens of --speculative-config: 1 differs from the stats files' "
+        "num_speculative_tokens 2",
+    ),
+    (
+        [_stats_line(0, "0x1", {1: 1})],
+        speculative_config(method="mtp", num_speculative_tokens=1),
+        "these stats files hold decode token counts (recorded without running_request_counts); "
+        "leave it out",
+    ),
+    (
+        ["3"],
+        speculative_config(method="mtp", num_speculative_tokens=100000000),
+        "--speculative-config: num_speculative_tokens must be an integer in 0..5; got 100000000.",
+    ),
+    # 0 is a value of the JSON (naive's), not a k of mtp: plan refuses this launch line too.
+    (
+        ["3"],
+        speculative_config(method="mtp", num_speculative_tokens=0),
+        "num_speculative_tokens must be an integer in 1..5",
+    ),
 ]
 
 
@@ -478,11 +499,7 @@ def test_speculative_inconsistencies_exit_2_naming_the_field(
 ):
     trace = tmp_path / "stats.jsonl"
     trace.write_text("\n".join(lines) + "\n")
-    try:
-        code = main(["tune", str(trace), "--max-graphs", "2", *flags])
-    except SystemExit as exit_info:  # a value the option's type refuses
-        code = exit_info.code
-    assert code == 2
+    assert main(["tune", str(trace), "--max-graphs", "2", *flags]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -578,10 +595,12 @@ def test_a_flag_that_disagrees_with_the_stats_files_names_both(tmp_path, capsys)
     stats.write_text(_deployed_line({3: 4}, capture_sizes=[8, 4], max_num_seqs=8) + "\n")
     assert main(["tune", str(stats), "--max-num-seqs", "16"]) == 2
     assert f"--max-num-seqs 16 and {stats}:1 (max_num_seqs 8) disagree" in capsys.readouterr().err
-    assert main(["tune", str(stats), "--capture-sizes", "8,2"]) == 2
+    assert main(["tune", str(stats), *graph_config(cudagraph_capture_sizes=[8, 2])]) == 2
     err = capsys.readouterr().err
-    assert f"--capture-sizes 8,2 and {stats}:1 (capture_sizes 8,4) disagree" in err
-    assert main(["tune", str(stats), "--capture-sizes", "4,8", "--max-num-seqs", "8"]) == 0
+    flag = "--graph-optimization-config cudagraph_capture_sizes"
+    assert f"{flag} 8,2 and {stats}:1 (capture_sizes 8,4) disagree" in err
+    same = graph_config(cudagraph_capture_sizes=[4, 8])
+    assert main(["tune", str(stats), *same, "--max-num-seqs", "8"]) == 0
 
 
 def test_stats_of_two_deployments_are_refused(tmp_path, capsys):
@@ -596,14 +615,18 @@ def test_stats_of_two_deployments_are_refused(tmp_path, capsys):
 
 def test_the_deployed_list_from_the_command_line_is_compared_and_counts_its_eager_steps(capsys):
     done = subprocess.run(
-        [sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-", "--capture-sizes", "4,2,1"],
+        [
+            *(sys.executable, "-m", "fd_cudagraph_plugin", "tune", "-"),
+            *graph_config(cudagraph_capture_sizes=[4, 2, 1]),
+        ],
         input="1\n3\n3\n7\n",
         capture_output=True,
         text=True,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "deployed (3 graphs, from --capture-sizes): 4, 2, 1" in done.stdout
+    deployed = "deployed (3 graphs, from --graph-optimization-config cudagraph_capture_sizes)"
+    assert f"{deployed}: 4, 2, 1" in done.stdout
     assert "above the deployed list's largest size (4): 1 step, which it runs without a graph" in (
         done.stdout
     )
@@ -668,7 +691,7 @@ def test_under_expert_parallelism_tune_recommends_only_what_the_launch_captures(
     tuned = result["capture_sizes"]
     assert len(tuned) == 24 and all(size % 8 == 0 for size in tuned)
     assert "filter_capture_size keeps only sizes divisible by 8" in result["kept_by"]
-    planned = _plan_json([*launch, "--capture-sizes", ",".join(map(str, tuned))], capsys)
+    planned = _plan_json([*launch, *graph_config(cudagraph_capture_sizes=tuned)], capsys)
     # 2.4 puts a 0 first under expert parallelism, which is no graph.
     assert [size for size in planned["cudagraph_capture_sizes"] if size] == tuned
     default = [size for size in _plan_json(launch, capsys)["cudagraph_capture_sizes"] if size]
@@ -805,9 +828,11 @@ def test_a_bad_eager_above_largest_names_the_line(value, tmp_path, capsys):
 
 
 def test_tune_takes_the_same_launch_line_as_plan(tmp_path, capsys, monkeypatch):
-    """Where FastDeploy is not importable (the stand-in's parser lacks --port's siblings)."""
+    """Where FastDeploy is not importable: the small parser reads the capture flags and names
+    the others once."""
     from fd_cudagraph_plugin.tools import plan as plan_module
 
+    monkeypatch.setattr(launch_line, "installed_fastdeploy", lambda: None)
     monkeypatch.setattr(plan_module, "installed_fastdeploy", lambda: None)
     launch = [
         *("--model", "/models/ERNIE-4.5-21B-A3B-Paddle", "--port", "8180"),
@@ -816,6 +841,6 @@ def test_tune_takes_the_same_launch_line_as_plan(tmp_path, capsys, monkeypatch):
     trace = tmp_path / "trace.txt"
     trace.write_text("3\n5\n17\n40\n")
     assert main(["tune", str(trace), *launch]) == 0, capsys.readouterr().err
-    assert "--model, --max-model-len, --quantization, --port change nothing" in (
+    assert "--model, --port, --max-model-len, --quantization change nothing" in (
         capsys.readouterr().out
     )
