@@ -93,17 +93,25 @@ def test_a_value_fastdeploys_parser_refuses_is_refused_with_its_words(capsys):
 
 @pytest.mark.parametrize("flag", sorted(launch.REMOVED))
 def test_a_removed_flag_names_fastdeploys_spelling_and_that_spelling_plans(flag, capsys):
-    command = "tune" if flag == "--num-speculative-tokens" else "plan"
-    argv = [command, "-"] if command == "tune" else [command]
-    assert main([*argv, flag, "1"]) == 2
+    value = {"--capture-sizes": "1,2,64", "--capture-sizes-prefill": "4,16"}.get(flag, "2")
+    argv = ["tune", "-"] if flag == "--num-speculative-tokens" else ["plan"]
+    assert main([*argv, flag, value]) == 2
     err = capsys.readouterr().err
-    assert f"{flag} is gone" in err and launch.REMOVED[flag] in err
-    replacement = shlex.split(launch.REMOVED[flag].split(" with ")[0])
+    said = launch.replacement(flag, value)
+    assert f"{flag} is gone" in err and f"Give {said} instead." in err
+    replacement = shlex.split(said.split(" with ")[0])
     if flag == "--sequence-parallel-moe":
         replacement += ["--tensor-parallel-size", "2"]
-    if flag.endswith("draft-model-use-cudagraph"):
-        replacement += ["--speculative-config", '{"method": "mtp"}']
-    assert main(["plan", *replacement]) == 0, capsys.readouterr().err
+    if flag.endswith("draft-model-use-cudagraph") or flag == "--num-speculative-tokens":
+        replacement += ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    if flag == "--spec-method":
+        replacement = ["--speculative-config", '{"method": "mtp"}']
+    assert main(["plan", "--max-num-seqs", "64", *replacement, "--json"]) == 0, (
+        capsys.readouterr().err
+    )
+    planned = json.loads(capsys.readouterr().out)
+    if flag == "--capture-sizes":  # the user's own sizes carried over
+        assert planned["cudagraph_capture_sizes"] == [64, 2, 1]
 
 
 def test_a_yaml_config_is_refused_since_the_tools_do_not_read_it(capsys):

@@ -23,6 +23,7 @@ import importlib
 import io
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -133,23 +134,46 @@ SPECULATIVE_KEYS: dict[str, str | None] = {
 #: 2.4 and 2.5 spell ngram ``ngram_match``.
 METHOD_ALIASES = {"ngram_match": "ngram"}
 
-#: The tools' own flags of earlier versions for settings FastDeploy's line names, and its spelling.
-REMOVED = {
-    "--spec-method": f'{SPECULATIVE} \'{{"method": "mtp"}}\'',
-    "--num-speculative-tokens": f'{SPECULATIVE} \'{{"method": "mtp", '
-    '"num_speculative_tokens": 2}\'',
-    "--sequence-parallel-moe": "--enable-expert-parallel with --tensor-parallel-size above 1 "
-    "(FastDeploy turns sequence-parallel MoE on there)",
-    "--graph-opt-level": f"{GRAPH} '{{\"graph_opt_level\": 1}}'",
-    "--full-cuda-graph": f"{GRAPH} '{{\"full_cuda_graph\": true}}'",
-    "--no-full-cuda-graph": f"{GRAPH} '{{\"full_cuda_graph\": false}}'",
-    "--max-capture-shape-prefill": f"{GRAPH} '{{\"max_capture_shape_prefill\": 1024}}'",
-    "--only-prefill": f"{GRAPH} '{{\"cudagraph_only_prefill\": true}}'",
-    "--capture-sizes": f"{GRAPH} '{{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}}'",
-    "--capture-sizes-prefill": f"{GRAPH} '{{\"cudagraph_capture_sizes_prefill\": [1, 2, 4]}}'",
-    "--draft-model-use-cudagraph": f"{GRAPH} '{{\"draft_model_use_cudagraph\": true}}'",
-    "--no-draft-model-use-cudagraph": f"{GRAPH} '{{\"draft_model_use_cudagraph\": false}}'",
+#: The tools' own flags of earlier versions for settings FastDeploy's line names: the JSON object
+#: and key that name it now, and the kind of value ("sizes", "int", "str", or a fixed value).
+REMOVED: dict[str, tuple[str, str, Any]] = {
+    "--spec-method": (SPECULATIVE, "method", "str"),
+    "--num-speculative-tokens": (SPECULATIVE, "num_speculative_tokens", "int"),
+    "--graph-opt-level": (GRAPH, "graph_opt_level", "int"),
+    "--full-cuda-graph": (GRAPH, "full_cuda_graph", True),
+    "--no-full-cuda-graph": (GRAPH, "full_cuda_graph", False),
+    "--max-capture-shape-prefill": (GRAPH, "max_capture_shape_prefill", "int"),
+    "--only-prefill": (GRAPH, "cudagraph_only_prefill", True),
+    "--capture-sizes": (GRAPH, "cudagraph_capture_sizes", "sizes"),
+    "--capture-sizes-prefill": (GRAPH, "cudagraph_capture_sizes_prefill", "sizes"),
+    "--draft-model-use-cudagraph": (GRAPH, "draft_model_use_cudagraph", True),
+    "--no-draft-model-use-cudagraph": (GRAPH, "draft_model_use_cudagraph", False),
+    "--sequence-parallel-moe": ("--enable-expert-parallel", "", True),
 }
+#: What a removed flag's value stands for where the value cannot be carried over.
+_EXAMPLES = {"sizes": [1, 2, 4, 8], "int": 1, "str": "mtp"}
+
+
+def replacement(flag: str, value: str | None) -> str:
+    """FastDeploy's spelling of a removed flag, with the value given where it reads as one."""
+    where, key, kind = REMOVED[flag]
+    if not key:
+        return (
+            f"{where} with --tensor-parallel-size above 1 (FastDeploy turns sequence-parallel "
+            "MoE on there)"
+        )
+    words = (value or "").split(",")
+    if kind == "sizes" and all(w.strip().isdigit() and len(w.strip()) <= 10 for w in words):
+        item: Any = [int(w) for w in words]
+    elif kind == "int" and value is not None and value.strip().isdigit() and len(value) <= 10:
+        item = int(value)
+    elif kind == "str" and value in SPEC_METHODS:
+        item = value
+    else:
+        item = _EXAMPLES.get(kind, kind) if isinstance(kind, str) else kind
+    return f"{where} '{json.dumps({key: item})}'"
+
+
 #: FlexibleArgumentParser's own: a YAML file of settings, which the tools do not read.
 YAML_CONFIG = "--config"
 #: The module a pasted launch line names before its flags.
@@ -209,12 +233,13 @@ def read(
     """The launch line ``tokens`` as one ``PlanInput``: read by the installed FastDeploy's parser
     where it is the release ``version`` names, else by the small parser here."""
     tokens = _without_head(list(tokens))
-    for token in tokens:
-        flag = token.split("=", 1)[0]
+    for index, token in enumerate(tokens):
+        flag, _, attached = token.partition("=")
         if flag in REMOVED:
+            value = attached or (tokens[index + 1] if index + 1 < len(tokens) else None)
             raise ConfigError(
                 f"{flag} is gone: the tools read FastDeploy's launch line and nothing else for "
-                f"what it names. Give {REMOVED[flag]} instead."
+                f"what it names. Give {replacement(flag, value)} instead."
             )
         if flag == YAML_CONFIG:
             raise ConfigError(
@@ -312,7 +337,7 @@ def _read_with_fastdeploy(
             lines = said.getvalue().strip().splitlines()
             raise ConfigError(
                 f"FastDeploy {installed.version}'s own parser refuses this launch line: "
-                f"{lines[-1] if lines else 'its parser exited'}"
+                f"{_short(lines[-1]) if lines else 'its parser exited'}"
             ) from None
     read_by = f"the launch line read by the installed FastDeploy's parser, {which}"
     if rest and whole:
@@ -334,13 +359,22 @@ def _read_with_fastdeploy(
 # ------------------------------------------------------------------ the values, checked
 
 
-def _integer(flag: str, value: Any, low: int, high: int) -> int:
-    """An integer as FastDeploy's ``type=int`` takes it (a string here, an int from its parser)."""
+def _short(text: str) -> str:
+    """A parser's message with each long run of digits counted, not echoed, and bounded."""
+    text = re.sub(r"[0-9]{19,}", lambda run: f"... ({len(run.group())} digits)", text)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _integer(flag: str, value: Any, low: int, high: int, *, text: bool = True) -> int:
+    """An integer as FastDeploy's ``type=int`` takes it (a string here, an int from its parser);
+    ``text=False`` for a JSON value, where a string is no integer to FastDeploy."""
     number: Any = value
-    if isinstance(value, str):
-        text = value.strip()
-        digits = text.lstrip("+-")
-        number = int(text) if digits.isdigit() and len(digits) <= 18 else None
+    if isinstance(value, _Digits):
+        number = None
+    elif isinstance(value, str) and text:
+        word = value.strip()
+        digits = word.lstrip("+-")
+        number = int(word) if digits.isdigit() and len(digits) <= 18 else None
     if isinstance(number, bool) or not isinstance(number, int) or not low <= number <= high:
         raise ConfigError(f"{flag} must be an integer in {low}..{high}; got {shown(value)}.")
     return number
@@ -353,7 +387,7 @@ def _object(flag: str, value: Any) -> dict[str, Any]:
         if len(value) > MAX_JSON:
             raise ConfigError(f"{flag} is {len(value)} characters; at most {MAX_JSON} are read.")
         try:
-            value = json.loads(value)
+            value = json.loads(value, parse_int=_json_int)
         except (ValueError, RecursionError) as error:
             where = f" at column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
             raise ConfigError(
@@ -364,6 +398,15 @@ def _object(flag: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{flag} must be a JSON object; got {type(value).__name__}.")
     return value
+
+
+class _Digits(str):
+    """A JSON integer too long to be any setting: kept as its digits, so that the check of the
+    key it sets names it (``int()`` refuses 4301 digits and more with advice of its own)."""
+
+
+def _json_int(digits: str) -> int | _Digits:
+    return int(digits) if len(digits.lstrip("-")) <= 18 else _Digits(digits)
 
 
 def _unknown(flag: str, key: str, known: Mapping[str, object]) -> ConfigError:
@@ -387,7 +430,9 @@ def _sizes(flag: str, key: str, value: Any) -> tuple[int, ...]:
             f"{flag}: {key} must be a non-empty list of at most {MAX_SIZES} sizes, such as "
             f"[1, 2, 4, 8]; got {shown(value)}."
         )
-    return tuple(_integer(f"{flag}: each {key} entry", size, 1, TOKEN_LIMIT) for size in value)
+    return tuple(
+        _integer(f"{flag}: each {key} entry", size, 1, TOKEN_LIMIT, text=False) for size in value
+    )
 
 
 def _graph(settings: dict[str, Any], value: Any, notes: list[str]) -> None:
@@ -401,9 +446,9 @@ def _graph(settings: dict[str, Any], value: Any, notes: list[str]) -> None:
         elif name in ("capture_sizes", "capture_sizes_prefill"):
             settings[name] = _sizes(GRAPH, key, item)
         elif name == "graph_opt_level":
-            settings[name] = _integer(f"{GRAPH}: {key}", item, 0, 2)
+            settings[name] = _integer(f"{GRAPH}: {key}", item, 0, 2, text=False)
         elif name == "max_capture_shape_prefill":
-            settings[name] = _integer(f"{GRAPH}: {key}", item, 1, MAX_PREFILL_SHAPE)
+            settings[name] = _integer(f"{GRAPH}: {key}", item, 1, MAX_PREFILL_SHAPE, text=False)
         else:
             settings[name] = _bool(GRAPH, key, item)
     _say_ignored(notes, GRAPH, ignored)
@@ -430,7 +475,9 @@ def _speculative(settings: dict[str, Any], value: Any, notes: list[str]) -> None
         else:
             # 0 is what naive leaves; the plan checks the range per method.
             low = 0 if name == "num_speculative_tokens" else 1
-            settings[name] = _integer(f"{SPECULATIVE}: {key}", item, low, MAX_SPECULATIVE_TOKENS)
+            settings[name] = _integer(
+                f"{SPECULATIVE}: {key}", item, low, MAX_SPECULATIVE_TOKENS, text=False
+            )
     _say_ignored(notes, SPECULATIVE, ignored)
 
 
