@@ -788,3 +788,21 @@ def test_a_version_no_rules_answer_is_one_line_saying_which_do(version, said, ca
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert said in line and "--fastdeploy-version" in line
+
+
+@pytest.mark.parametrize("release", ["2.5", "2.6"])
+def test_saturation_under_ngram_is_checked_in_tokens_where_fastdeploy_does_not_scale(
+    release, capsys
+):
+    """ngram on 2.5 and 2.6 keys graphs by token count without scaling the cap: a verify step
+    carries up to max_num_seqs x (k + 1) tokens, and no list can hold those above the cap."""
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+    argv = ["plan", "--max-num-seqs", "64", "--speculative-config", config, "--json"]
+    assert main([*argv, "--fastdeploy-version", release]) == 0
+    (warning,) = json.loads(capsys.readouterr().out)["warnings"]
+    assert "below max_num_seqs 64 x (k + 1) = 192 tokens" in warning
+    assert "steps of 65..192 tokens run eagerly whatever the list" in warning
+    assert "Add a size" not in warning  # no size above the cap would be kept
+    # develop scales ngram: its largest graph holds 192 tokens, nothing to warn of.
+    assert main([*argv, "--fastdeploy-version", "develop"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []

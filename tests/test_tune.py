@@ -799,7 +799,7 @@ def test_a_saturated_deployed_list_is_warned_with_the_share_served_eagerly(
     stats = tmp_path / "stats.jsonl"
     stats.write_text(SATURATED_LINE + eager + "}\n")
     result = _tune_json([str(stats)], capsys)
-    (warning,) = result["warnings"]
+    (warning,) = _deployed_warnings(result)
     assert "the deployed list ends at 8 tokens, below the 256 this deployment allows" in warning
     assert "86.0% of the steps its graphs served ran at 8" in warning and said in warning
     if "200" in eager:  # by count: weighed as the steps they are
@@ -808,13 +808,22 @@ def test_a_saturated_deployed_list_is_warned_with_the_share_served_eagerly(
         assert result["capture_sizes"][0] == 256
 
 
+def _deployed_warnings(result: dict) -> list[str]:
+    """The warnings about the deployed list (the tuned list's, plan's own, are apart)."""
+    return [w for w in result["warnings"] if not w.startswith("with the tuned list, ")]
+
+
 def test_a_list_at_max_num_seqs_with_few_steps_at_it_is_not_warned(tmp_path, capsys):
     stats = tmp_path / "stats.jsonl"
     line = SATURATED_LINE.replace('"max_num_seqs": 256', '"max_num_seqs": 8')
     stats.write_text(line + "}\n")
     assert _tune_json([str(stats)], capsys)["warnings"] == []
     stats.write_text(SATURATED_LINE.replace('"8": 86', '"8": 2') + "}\n")
-    assert _tune_json([str(stats)], capsys)["warnings"] == []
+    result = _tune_json([str(stats)], capsys)
+    assert _deployed_warnings(result) == []
+    # The tuned list ends at 8 too, below the 256 allowed: plan's warning says what runs eagerly.
+    (tuned,) = result["warnings"]
+    assert "with the tuned list, the largest decode graph holds 8 tokens" in tuned
 
 
 @pytest.mark.parametrize(
@@ -844,3 +853,46 @@ def test_tune_takes_the_same_launch_line_as_plan(tmp_path, capsys, monkeypatch):
     assert "--model, --port, --max-model-len, --quantization change nothing" in (
         capsys.readouterr().out
     )
+
+
+#: Quiet traffic on a TP 8 expert-parallel decode node: every step fits the smallest size.
+QUIET = ["-tp", "8", "--enable-expert-parallel", "--splitwise-role", "decode"]
+
+
+@pytest.mark.parametrize("max_size", [None, "256"], ids=["tuned to the trace", "--max-size 256"])
+def test_advice_that_gains_nothing_says_keep_the_default(max_size, tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(map(str, [1, 2, 3, 4, 5, 6, 1, 2, 3])))
+    extra = [] if max_size is None else ["--max-size", max_size]
+    argv = ["tune", str(trace), *extra, "--fastdeploy-version", "2.6"]
+    assert main([*argv, "--max-num-seqs", "256", *QUIET]) == 0
+    out = capsys.readouterr().out
+    assert "padded tokens: tuned 45 (5.000 per step), default 45 (5.000 per step)" in out
+    assert "\nkeep the default list: the tuned list pads no fewer tokens on this trace" in out
+    assert "\nuse:" not in out
+    assert main([*argv, "--max-num-seqs", "256", *QUIET, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["advice"] == "keep"
+
+
+def test_a_tuned_list_below_what_the_deployment_allows_gets_plans_warning(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(map(str, [1, 2, 3, 4, 5, 6, 1, 2, 3])))
+    argv = ["tune", str(trace), "--fastdeploy-version", "2.6", "--max-num-seqs", "256", *QUIET]
+    assert main(argv) == 0
+    assert (
+        "warning: with the tuned list, the largest decode graph holds 8 tokens, below "
+        "max_num_seqs 256 (one token per running request in a decode step): decode steps of "
+        "9..256 tokens run eagerly"
+    ) in capsys.readouterr().out
+    # Without a known max_num_seqs nothing says what the steps may carry: no warning.
+    assert main(["tune", str(trace), "--fastdeploy-version", "2.6", *QUIET]) == 0
+    assert "with the tuned list" not in capsys.readouterr().out
+
+
+def test_advice_that_pads_fewer_tokens_still_says_use(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(map(str, [3, 3, 5, 9, 17, 33, 40] * 3)))
+    assert main(["tune", str(trace), "--max-num-seqs", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["padded_tokens"] < result["baseline_padded_tokens"]
+    assert result["advice"] == "use"

@@ -186,7 +186,7 @@ def _check_sizes(flag: str, sizes: tuple[int, ...] | None) -> list[int] | None:
     return list(sizes)
 
 
-def _effective_k(release: Release, inputs: PlanInput) -> int:
+def effective_k(release: Release, inputs: PlanInput) -> int:
     """``num_speculative_tokens`` as FastDeploy's ``SpeculativeConfig`` leaves it."""
     method, k = inputs.spec_method, inputs.num_speculative_tokens
     if method is None:
@@ -262,7 +262,7 @@ def _validate(release: Release, inputs: PlanInput) -> ServingSettings:
         )
     user_decode = _check_sizes(SPELLING["capture_sizes"], inputs.capture_sizes)
     user_prefill = _check_sizes(SPELLING["capture_sizes_prefill"], inputs.capture_sizes_prefill)
-    k = _effective_k(release, inputs)
+    k = effective_k(release, inputs)
     draft = inputs.draft_model_use_cudagraph
     if draft is not None and inputs.spec_method not in DRAFT_MODEL_METHODS:
         given = f"method {inputs.spec_method}" if inputs.spec_method else "no method"
@@ -721,26 +721,43 @@ def _largest_warnings(
     decode: list[int],
     padding_running: dict[int, int],
 ) -> list[str]:
-    """Steps a graph could serve that run eagerly because the largest size is below
-    ``max_num_seqs``: ``GraphOptBackend`` runs them before the plugin's backend sees them."""
+    """Steps a graph could serve that run eagerly because the largest size is below what the
+    deployment's decode steps carry: ``GraphOptBackend`` runs them before the plugin's backend
+    sees them. Graphs keyed by token count are checked in tokens: a verify step of speculative
+    decoding carries k + 1 tokens a request, scaled by FastDeploy or not."""
     if not derived.use_cudagraph or derived.only_prefill or not decode:
         return []
     seqs = s.max_num_seqs
+    cap, _, formula = _decode_cap(release, s)
     if padding_running:
         largest, most, unit, why = max(padding_running), seqs, "running requests", ""
-    elif s.method in release.scaling_methods and s.k:
+    elif s.method is not None and s.k:
         largest, most, unit = max(decode), seqs * (s.k + 1), "tokens"
-        why = f" x (k + 1) = {most} tokens"
+        why = f" x (k + 1) = {most} tokens (a verify step carries k + 1 tokens a request)"
     else:
         largest, most, unit = max(decode), seqs, "tokens"
         why = " (one token per running request in a decode step)"
     if largest >= most:
         return []
-    return [
+    eager = (
         f"the largest decode graph holds {largest} {unit}, below max_num_seqs {seqs}{why}: "
         f"decode steps of {largest + 1}..{most} {unit} run eagerly, before the plugin's backend "
-        "sees them (FastDeploy's GraphOptBackend sends them to the model directly). Add a size "
-        "that holds them, or tune this deployment's stats (fd-cudagraph tune)."
+        "sees them (FastDeploy's GraphOptBackend sends them to the model directly)."
+    )
+    if unit == "tokens" and cap < most:
+        # No list helps above the cap: FastDeploy drops every size above it.
+        fix = (
+            f" Add a size up to {cap} for the steps of {largest + 1}..{cap} tokens. "
+            if largest < cap
+            else " "
+        )
+        return [
+            f"{eager} FastDeploy captures no decode size above {formula} = {cap} "
+            f"for {s.method or 'plain decoding'}, so steps of {cap + 1}..{most} tokens run "
+            f"eagerly whatever the list.{fix}".rstrip()
+        ]
+    return [
+        f"{eager} Add a size that holds them, or tune this deployment's stats (fd-cudagraph tune)."
     ]
 
 

@@ -59,6 +59,7 @@ from fd_cudagraph_plugin.tools.launch import SPELLING, PlanInput, read
 from fd_cudagraph_plugin.tools.plan import (
     check_count,
     derive_plan,
+    effective_k,
     graphs_phrase,
     release_rules,
 )
@@ -197,6 +198,11 @@ class TuneResult:
         return [size * (self.num_speculative_tokens + 1) for size in self.capture_sizes]
 
     @property
+    def gains_nothing(self) -> bool:
+        """The tuned list pads no fewer tokens and graphs no step the baseline leaves eager."""
+        return self.padded_tokens >= self.baseline_padded_tokens and not self.baseline_eager_steps
+
+    @property
     def reduction(self) -> float:
         """Fraction of the baseline's padded tokens that the tuned list saves."""
         if self.baseline_padded_tokens == 0:
@@ -230,6 +236,7 @@ class TuneResult:
             "cap_cost": None
             if self.cap_cost is None
             else {"graphs": self.cap_cost[0], "padded_tokens": self.cap_cost[1]},
+            "advice": "keep" if self.gains_nothing else "use",
             "warnings": self.warnings,
             "notes": [*self.notes, *self.launch_notes],
         }
@@ -427,7 +434,11 @@ def tune(
         max_graphs_from=graphs_from,
         kept_by=target.why if step > 1 else "",
         cap_cost=cap_cost,
-        warnings=_saturation(histogram, baseline, deployed, cap, k, unknown_eager),
+        warnings=[
+            *_saturation(histogram, baseline, deployed, cap, k, unknown_eager),
+            # Only a known max_num_seqs says what the deployment's steps may carry.
+            *(target.warnings(sizes) if seqs is not None else []),
+        ],
         launch_notes=target.launch_notes,
     )
 
@@ -494,6 +505,11 @@ class _Target:
         return sorted(
             {int(size / (self.k + 1)) for size in plan.capture_sizes if size}, reverse=True
         )
+
+    def warnings(self, sizes: Iterable[int]) -> list[str]:
+        """``plan``'s warnings for this launch with ``sizes``: steps it would serve eagerly."""
+        plan = derive_plan(dataclasses.replace(self.launch, capture_sizes=self._config(sizes)))
+        return [f"with the tuned list, {warning}" for warning in plan.warnings]
 
     def kept(self, sizes: list[int], what: str, *, refuse: bool) -> list[int]:
         """``sizes`` as FastDeploy keeps them; a tuned list it would cut is refused."""
@@ -719,6 +735,13 @@ def format_result(result: TuneResult) -> str:
             f"raise --max-graphs to tune within as many. The tuned list, if graph memory matters "
             f"more: --graph-optimization-config {config}"
         )
+    elif result.gains_nothing:
+        lines.append(
+            f"keep the {name} list: the tuned list pads no fewer tokens on this trace "
+            f"({result.padded_tokens} against {result.baseline_padded_tokens}) and graphs no "
+            f"step the {name} list leaves eager. The tuned list, if graph memory matters more "
+            f"and the warnings below do not apply: --graph-optimization-config {config}"
+        )
     else:
         lines.append(f"use: --graph-optimization-config {config}")
     lines.extend(f"warning: {warning}" for warning in result.warnings)
@@ -750,16 +773,18 @@ def run_tune(args: Any) -> TuneResult:
     stats files (a setting both give with two values is an error naming both), tune."""
     launch = read(args.launch, args.fastdeploy_version)
     histogram = read_histogram(args.trace)
-    k = None
-    if launch.spec_method in ("mtp", "ngram", "suffix"):
-        k = launch.num_speculative_tokens or 1  # SpeculativeConfig's default
-        if launch.spec_method == "mtp":
-            k = max(k, launch.num_model_steps or 1)  # raised to num_model_steps for MTP
+    # k as plan takes it (its refusals included). A plain trace holds running requests only where
+    # the release keys this method's graphs by them; elsewhere (ngram on 2.6) by token count.
+    release = release_rules(args.fastdeploy_version)
+    speculative = launch.spec_method is not None or launch.num_speculative_tokens is not None
+    k = effective_k(release, launch) if speculative else 0
+    if launch.spec_method not in release.scaling_methods:
+        k = 0
     return tune(
         histogram,
         args.max_graphs,
         args.max_size,
-        k,
+        k or None,
         fastdeploy_version=args.fastdeploy_version,
         deployment=_deployment(launch, histogram),
         launch=launch,
