@@ -55,9 +55,9 @@ def pool_policy(settings: Settings) -> str:
         return options.pool
     logger.warning(
         "use_unique_memory_pool=false: every CUDA graph gets a private memory pool, so each "
-        "pays for its own scratch memory (36 sizes of a 16-layer toy decoder took 892 MiB this "
-        "way against 112 MiB in one pool, on an H200 through a torch stand-in for Paddle). Unset "
-        "it, or set FD_CUDAGRAPH_POOL=instance, to share one pool per backend."
+        "pays for its own scratch memory, several times what one shared pool holds (see "
+        "docs/design.md on graph memory). Unset it, or set FD_CUDAGRAPH_POOL=instance, to share "
+        "one pool per backend."
     )
     return "graph"
 
