@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,14 +16,46 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_capture_benchmark(*args: str) -> subprocess.CompletedProcess:
-    """benchmarks/capture.py, fast: 4 sizes, no eager cost."""
+SEED_BACKEND = REPO.parent / "shared" / "seed" / "cudagraph_piecewise_backend.py.txt"
+needs_seed = pytest.mark.skipif(
+    not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)"
+)
+#: benchmarks/capture.py, fast: 4 sizes, no eager cost.
+CAPTURE = ("capture.py", "--rounds", "2", "--eager-ms", "0", "--max-num-seqs", "8")
+DISPATCH = ("dispatch.py", "--number", "200", "--repeat", "2")
+NOT_A_BACKEND = "NOT_A_BACKEND"  # replaced by a file that is not FastDeploy's backend
+
+
+def _runs_wanted() -> dict[str, tuple[str, ...]]:
+    """Every benchmark run of this file, by name, in the order its tests read them: a file under
+    benchmarks/ and its arguments (those with FastDeploy's backend where ../shared/seed has it)."""
+    seed = ("--fastdeploy-backend", str(SEED_BACKEND))
+    runs = {
+        "capture": CAPTURE,
+        "capture --recapture": (*CAPTURE, "--recapture"),
+        "dispatch": DISPATCH,
+        "dispatch with fastdeploy": (*DISPATCH, *seed),
+        "dispatch.py not a backend": ("dispatch.py", "--fastdeploy-backend", NOT_A_BACKEND),
+        "capture.py not a backend": ("capture.py", "--fastdeploy-backend", NOT_A_BACKEND),
+        "capture with fastdeploy": (*CAPTURE, *seed),
+        "moved": ("moved.py", "--layers", "20", "--caches", "6"),
+        "capture --fastdeploy-warmups alone": (*CAPTURE, "--fastdeploy-warmups", "1"),
+        "capture with fastdeploy, 1 warm-up": (
+            *CAPTURE,
+            "--recapture",
+            *seed,
+            "--fastdeploy-warmups",
+            "1",
+        ),
+    }
+    if SEED_BACKEND.exists():
+        return runs
+    return {key: argv for key, argv in runs.items() if str(SEED_BACKEND) not in argv}
+
+
+def _run(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "capture.py"),
-            *("--rounds", "2", "--eager-ms", "0", "--max-num-seqs", "8", *args),
-        ],
+        [sys.executable, str(REPO / "benchmarks" / name), *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -30,10 +64,35 @@ def run_capture_benchmark(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_capture_benchmark_times_a_capture_of_every_size_by_the_plugin():
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Iterator[dict[str, _Done]]:
+    """Every benchmark run of this file, started together on first use, two at a time (each is a
+    process that imports Paddle: seconds of one core, whichever order they run in); a test waits
+    for its own."""
+    not_a_backend = tmp_path_factory.mktemp("benchmarks") / "backend.py"
+    not_a_backend.write_text("this is not python\n")
+    with ThreadPoolExecutor(2) as pool:
+        started = {
+            key: pool.submit(_run, *(str(not_a_backend) if a == NOT_A_BACKEND else a for a in argv))
+            for key, argv in _runs_wanted().items()
+        }
+        yield {key: _Done(future, not_a_backend) for key, future in started.items()}
+
+
+class _Done:
+    """A run under way; ``not_a_backend``: the file its "not a backend" runs were given."""
+
+    def __init__(self, future: Future, not_a_backend: Path) -> None:
+        self.future, self.not_a_backend = future, not_a_backend
+
+    def result(self) -> subprocess.CompletedProcess:
+        return self.future.result()
+
+
+def test_capture_benchmark_times_a_capture_of_every_size_by_the_plugin(runs):
     """Without --fastdeploy-backend the plugin arm alone runs; its backend must join the session
     capture_model() opens and capture every size, or the figure is of eager runs."""
-    done = run_capture_benchmark()
+    done = runs["capture"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("captured 4 graphs (sizes 1..8)") == 2, done.stderr[-3000:]
     assert "no graphs captured" not in done.stderr and "late_capture" not in done.stderr
@@ -41,11 +100,11 @@ def test_capture_benchmark_times_a_capture_of_every_size_by_the_plugin():
     assert "ms/size" in done.stdout
 
 
-def test_capture_benchmark_recapture_warms_each_size_once_and_captures_every_size():
+def test_capture_benchmark_recapture_warms_each_size_once_and_captures_every_size(runs):
     """--recapture: clear_graph() and capture_model() again in the same worker. The plugin
     captures every size again, in a capture session, with one warm-up per size (its report and
     the forwards counted through the backend agree); the first capture keeps FastDeploy's two."""
-    done = run_capture_benchmark("--recapture")
+    done = runs["capture --recapture"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     sessions = [
         line for line in done.stderr.splitlines() if "captured 4 graphs (sizes 1..8)" in line
@@ -116,24 +175,10 @@ def test_gpu_run_sh_refuses_an_unknown_part_with_exit_2_before_running_any(parts
     assert not (tmp_path / "out").exists()
 
 
-SEED_BACKEND = REPO.parent / "shared" / "seed" / "cudagraph_piecewise_backend.py.txt"
-
-
-def run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / name), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-        check=False,
-    )
-
-
-def test_dispatch_benchmark_rows_run_with_the_address_check_they_name():
+def test_dispatch_benchmark_rows_run_with_the_address_check_they_name(runs):
     """Options are read once per process: the sampled:100 and always rows measured plain
     dispatch until each backend read them again. The benchmark now proves each row's guard."""
-    done = run_benchmark("dispatch.py", "--number", "200", "--repeat", "2")
+    done = runs["dispatch"].result()
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     guard_lines = [line for line in done.stdout.splitlines() if line.startswith("address guard")]
     assert (
@@ -150,52 +195,42 @@ def test_dispatch_benchmark_rows_run_with_the_address_check_they_name():
     assert "No ccache found" not in done.stderr
 
 
-@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
-def test_dispatch_benchmark_with_fastdeploys_backend_prints_the_ratio_with_its_spread():
-    done = run_benchmark(
-        "dispatch.py", "--number", "200", "--repeat", "2", "--fastdeploy-backend", SEED_BACKEND
-    )
+@needs_seed
+def test_dispatch_benchmark_with_fastdeploys_backend_prints_the_ratio_with_its_spread(runs):
+    done = runs["dispatch with fastdeploy"].result()
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     ratios = [line for line in done.stdout.splitlines() if line.startswith("overhead ratio")]
     assert len(ratios) == 2 and all("per round: " in line and ".." in line for line in ratios)
 
 
 @pytest.mark.parametrize("name", ["dispatch.py", "capture.py"])
-def test_a_file_that_is_no_fastdeploy_backend_is_one_line_naming_the_flag(name, tmp_path):
-    path = tmp_path / "backend.py"
-    path.write_text("this is not python\n")
-    done = run_benchmark(name, "--fastdeploy-backend", str(path))
+def test_a_file_that_is_no_fastdeploy_backend_is_one_line_naming_the_flag(name, runs):
+    run = runs[f"{name} not a backend"]
+    path, done = run.not_a_backend, run.result()
     assert done.returncode == 2 and "Traceback" not in done.stderr
     (line,) = [x for x in done.stderr.splitlines() if x.startswith(name)]
     assert f"--fastdeploy-backend {path}: it does not load as FastDeploy's backend" in line
 
 
-def test_capture_benchmark_without_fastdeploys_backend_prints_no_ratio_against_itself():
+def test_capture_benchmark_without_fastdeploys_backend_prints_no_ratio_against_itself(runs):
     """It printed "1.00x fd-cudagraph-plugin's time" for the plugin against itself."""
-    done = run_capture_benchmark()
+    done = runs["capture"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "x " not in done.stdout.replace("max ", "") and "1.00x" not in done.stdout
     assert "Without --fastdeploy-backend: the plugin alone." in done.stdout
     assert "ms/size" in done.stdout and "(" in done.stdout.split("ms/size")[0]
 
 
-@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
-def test_capture_benchmark_with_fastdeploys_backend_gives_the_per_round_ratio():
-    done = run_capture_benchmark("--fastdeploy-backend", str(SEED_BACKEND))
+@needs_seed
+def test_capture_benchmark_with_fastdeploys_backend_gives_the_per_round_ratio(runs):
+    done = runs["capture with fastdeploy"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [x for x in done.stdout.splitlines() if "per round:" in x]
     assert line.strip().startswith("fd-cudagraph-plugin / FastDeploy backend's time per size")
 
 
-def test_moved_memory_benchmark_times_the_checks_on_the_parameters_and_buffers_it_names():
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "moved.py"), "--layers", "20", "--caches", "6"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-        check=False,
-    )
+def test_moved_memory_benchmark_times_the_checks_on_the_parameters_and_buffers_it_names(runs):
+    done = runs["moved"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     # 20 Linear layers (40 parameters) and the model's own 3; the 6 caches among the buffers.
     found = re.search(r"(\d+) parameters, (\d+) runner buffers the graphs read", done.stdout)
@@ -342,19 +377,17 @@ def test_plugin_surface_needs_no_torch_and_every_call_works_on_the_plugin(
     assert "torch" not in sys.modules
 
 
-def test_fastdeploy_warmups_needs_fastdeploys_backend():
-    done = run_capture_benchmark("--fastdeploy-warmups", "1")
+def test_fastdeploy_warmups_needs_fastdeploys_backend(runs):
+    done = runs["capture --fastdeploy-warmups alone"].result()
     assert done.returncode == 2
     assert "--fastdeploy-warmups needs --fastdeploy-backend" in done.stderr
 
 
-@pytest.mark.skipif(not SEED_BACKEND.exists(), reason="needs ../shared/seed (FastDeploy's backend)")
-def test_capture_benchmark_times_fastdeploys_own_warmup_knob_in_the_same_rounds():
+@needs_seed
+def test_capture_benchmark_times_fastdeploys_own_warmup_knob_in_the_same_rounds(runs):
     """README's recapture figure stands beside what FastDeploy's cudagraph_num_of_warmups: 1
     gives: a third row, timed in the same interleaved rounds, with its own ratio."""
-    done = run_capture_benchmark(
-        "--recapture", "--fastdeploy-backend", str(SEED_BACKEND), "--fastdeploy-warmups", "1"
-    )
+    done = runs["capture with fastdeploy, 1 warm-up"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if "FastDeploy backend, 1 warm-up " in line]
     assert len(rows) == 2 and all("1 warm-up/size" in row for row in rows)
