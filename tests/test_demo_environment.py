@@ -88,15 +88,14 @@ def test_sigterm_ends_the_demo_with_143_and_no_traceback(tmp_path):
     )
     seen = b""
     deadline = time.monotonic() + 120
-    # Serving starts once the capture's progress bar is complete.
-    while b"100%" not in seen and time.monotonic() < deadline and demo.poll() is None:
+    # Serving has begun once its progress bar is shown, after the capture's.
+    while b"demo: served:" not in seen and time.monotonic() < deadline and demo.poll() is None:
         ready, _, _ = select.select([demo.stderr], [], [], 1)
         if ready:
             seen += os.read(demo.stderr.fileno(), 65536)
-    time.sleep(0.5)
     demo.send_signal(signal.SIGTERM)
     out, err = demo.communicate(timeout=60)
-    assert b"100%" in seen, seen[-2000:]
+    assert b"100%" in seen and b"demo: served:" in seen, seen[-2000:]
     assert demo.returncode == 143, (out + err)[-2000:]
     assert b"Traceback" not in out + err and b"Termination signal" not in out + err
     assert out == b""
