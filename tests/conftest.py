@@ -8,7 +8,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -402,10 +405,72 @@ def pytest_configure(config):
         config._fd_cudagraph_basetemp = config.option.basetemp
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules whose work runs in processes of their own (those that define ``start_early``: the
+    real rank launches and rank processes, the benchmark and tool runs, fresh interpreters, the
+    four-rank walk) are checked last, each in its own order: their work starts once collection is
+    done (``pytest_collection_finish``) and runs on the machine's other core while pytest runs
+    the in-process tests, one at a time, on one. What each test asserts is unchanged; only when
+    its processes run."""
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "start_early"))
+
+
+def pytest_collection_finish(session):
+    """Start the work of every selected module that defines ``start_early(tmp_path_factory)``;
+    its fixtures find it with ``started_early(request)``."""
+    config = session.config
+    config._fd_cudagraph_early = {}
+    if config.option.collectonly:
+        return
+    modules = dict.fromkeys(getattr(item, "module", None) for item in session.items)
+    for module in modules:
+        start = getattr(module, "start_early", None)
+        if start is not None:
+            config._fd_cudagraph_early[module.__name__] = start(config._tmp_path_factory)
+
+
+def started_early(request):
+    """What ``pytest_collection_finish`` started for the requesting module, or None."""
+    return getattr(request.config, "_fd_cudagraph_early", {}).get(request.module.__name__)
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """What the requesting module's ``start_early`` started: by ``pytest_collection_finish``,
+    or here where that did not (a run that imports the module some other way)."""
+    work = started_early(request)
+    if work is None:
+        work = request.module.start_early(tmp_path_factory)
+    yield work
+    work.stop()
+
+
+_beside: ThreadPoolExecutor | None = None
+
+
+class Beside(dict):
+    """Calls that run beside the in-process tests, by name, each value a future of what its call
+    returns: two at a time for the whole run (each is mostly a process of its own that imports
+    Paddle, seconds of one core)."""
+
+    def __init__(self, calls: dict[str, Callable[[], Any]]) -> None:
+        global _beside
+        if _beside is None:
+            _beside = ThreadPoolExecutor(2, thread_name_prefix="beside")
+        super().__init__({name: _beside.submit(call) for name, call in calls.items()})
+
+    def stop(self) -> None:
+        for future in self.values():
+            future.cancel()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session):
-    """The run's own temporary directory goes with the run (each test's ``tmp_path`` is already
+    """What was started early and is still running is stopped (a run stopped by ``-x``, say);
+    the run's own temporary directory goes with the run (each test's ``tmp_path`` is already
     removed, ``tmp_path_retention_policy = none``)."""
+    for work in getattr(session.config, "_fd_cudagraph_early", {}).values():
+        work.stop()
     made = getattr(session.config, "_fd_cudagraph_basetemp", None)
     if made is not None:
         shutil.rmtree(made, ignore_errors=True)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import Beside
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,29 +64,26 @@ def _run(name: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Iterator[dict[str, _Done]]:
-    """Every benchmark run of this file, started together on first use, two at a time (each is a
-    process that imports Paddle: seconds of one core, whichever order they run in); a test waits
-    for its own."""
+def start_early(tmp_path_factory) -> Beside:
+    """Every benchmark run of this file, by name (conftest.py starts them once collection is done,
+    and this module's tests go last); ``not_a_backend``: the file the "not a backend" runs are
+    given."""
     not_a_backend = tmp_path_factory.mktemp("benchmarks") / "backend.py"
     not_a_backend.write_text("this is not python\n")
-    with ThreadPoolExecutor(2) as pool:
-        started = {
-            key: pool.submit(_run, *(str(not_a_backend) if a == NOT_A_BACKEND else a for a in argv))
-            for key, argv in _runs_wanted().items()
-        }
-        yield {key: _Done(future, not_a_backend) for key, future in started.items()}
+    calls = {
+        key: functools.partial(
+            _run, *(str(not_a_backend) if a == NOT_A_BACKEND else a for a in argv)
+        )
+        for key, argv in _runs_wanted().items()
+    }
+    runs = Beside(calls)
+    runs.not_a_backend = not_a_backend
+    return runs
 
 
-class _Done:
-    """A run under way; ``not_a_backend``: the file its "not a backend" runs were given."""
-
-    def __init__(self, future: Future, not_a_backend: Path) -> None:
-        self.future, self.not_a_backend = future, not_a_backend
-
-    def result(self) -> subprocess.CompletedProcess:
-        return self.future.result()
+@pytest.fixture(scope="module")
+def runs(started) -> Beside:
+    return started
 
 
 def test_capture_benchmark_times_a_capture_of_every_size_by_the_plugin(runs):
@@ -205,8 +202,7 @@ def test_dispatch_benchmark_with_fastdeploys_backend_prints_the_ratio_with_its_s
 
 @pytest.mark.parametrize("name", ["dispatch.py", "capture.py"])
 def test_a_file_that_is_no_fastdeploy_backend_is_one_line_naming_the_flag(name, runs):
-    run = runs[f"{name} not a backend"]
-    path, done = run.not_a_backend, run.result()
+    path, done = runs.not_a_backend, runs[f"{name} not a backend"].result()
     assert done.returncode == 2 and "Traceback" not in done.stderr
     (line,) = [x for x in done.stderr.splitlines() if x.startswith(name)]
     assert f"--fastdeploy-backend {path}: it does not load as FastDeploy's backend" in line

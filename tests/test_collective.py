@@ -167,27 +167,34 @@ class _Launch:
             _kill(self.launcher, self.out)
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[str, _Launch]:
+class Launches(dict):
     """Every launch at once: two ranks that work, two that mostly wait, and four."""
-    started = {
-        "work": _Launch(tmp_path_factory, 2, TWO_RANKS),
-        "waiting": _Launch(tmp_path_factory, 2, WAITING),
-        "four": _Launch(tmp_path_factory, 4, FOUR_RANKS),
-    }
-    yield started
-    for launch in started.values():
-        launch.kill()
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__(
+            work=_Launch(tmp_path_factory, 2, TWO_RANKS),
+            waiting=_Launch(tmp_path_factory, 2, WAITING),
+            four=_Launch(tmp_path_factory, 4, FOUR_RANKS),
+        )
+
+    def stop(self) -> None:
+        for launch in self.values():
+            launch.kill()
+
+
+def start_early(tmp_path_factory) -> Launches:
+    """conftest.py starts the launches once collection is done, and this module's tests go last."""
+    return Launches(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def two(launches) -> dict[str, list[dict]]:
-    return {**launches["work"].results(), **launches["waiting"].results()}
+def two(started) -> dict[str, list[dict]]:
+    return {**started["work"].results(), **started["waiting"].results()}
 
 
 @pytest.fixture(scope="module")
-def four(launches) -> dict[str, list[dict]]:
-    return launches["four"].results()
+def four(started) -> dict[str, list[dict]]:
+    return started["four"].results()
 
 
 def _every_rank_raised_the_same(facts: list[dict], error: str = "CaptureError") -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import Beside
 
 from fd_cudagraph_plugin.tools.cli import main
 from fd_cudagraph_plugin.tools.demo import format_report, run_demo
@@ -77,11 +79,11 @@ def test_demo_refuses_options_it_would_ignore_naming_the_variable(
     assert wanted in err and err.count("\n") == 1 and out == ""
 
 
-def test_sigterm_ends_the_demo_with_143_and_no_traceback(tmp_path):
-    """Paddle's import installs a C++ SIGTERM handler that prints a C++ traceback to stdout."""
+def _sigterm_while_serving(folder: Path) -> tuple[int | None, bytes, bytes, bytes]:
+    """The demo, sent SIGTERM once it serves: its exit code, what it showed before, its output."""
     demo = subprocess.Popen(
         [sys.executable, "-m", "fd_cudagraph_plugin", "demo", "--steps", "1000000"],
-        cwd=tmp_path,
+        cwd=folder,
         env=_env_without("FD_LOG_DIR"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -95,11 +97,17 @@ def test_sigterm_ends_the_demo_with_143_and_no_traceback(tmp_path):
             seen += os.read(demo.stderr.fileno(), 65536)
     demo.send_signal(signal.SIGTERM)
     out, err = demo.communicate(timeout=60)
+    return demo.returncode, seen, out, err
+
+
+def test_sigterm_ends_the_demo_with_143_and_no_traceback(started):
+    """Paddle's import installs a C++ SIGTERM handler that prints a C++ traceback to stdout."""
+    (code, seen, out, err), folder = started["sigterm"].result()
     assert b"100%" in seen and b"demo: served:" in seen, seen[-2000:]
-    assert demo.returncode == 143, (out + err)[-2000:]
+    assert code == 143, (out + err)[-2000:]
     assert b"Traceback" not in out + err and b"Termination signal" not in out + err
     assert out == b""
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert sorted(p.name for p in folder.iterdir()) == []
 
 
 def test_a_long_demo_shows_progress_and_its_rate_on_standard_error(capsys):
@@ -109,43 +117,66 @@ def test_a_long_demo_shows_progress_and_its_rate_on_standard_error(capsys):
     assert "demo: served: 100%" in err and "40/40" in err and "step/s" in err
 
 
-def test_a_demo_error_is_one_line_without_paddles_warnings(tmp_path):
-    """Paddle's ccache warning made each demo error three lines."""
-    done = subprocess.run(
-        [sys.executable, "-m", "fd_cudagraph_plugin", "demo", "--runtime", "cuda"],
-        cwd=tmp_path,
-        env=_env_without("FD_LOG_DIR"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 2
-    (line,) = done.stderr.splitlines()
-    assert line.startswith("fd-cudagraph: --runtime cuda: this Paddle is not compiled with CUDA")
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [["plan"], ["tune", "-"], ["doctor"], ["demo", "--steps", "3", "--sizes", "1,2"]],
-    ids=lambda argv: argv[0],
-)
-def test_no_tool_leaves_anything_in_tmpdir_or_the_current_directory(argv, tmp_path):
-    """The demo's capture session records graph memory under FD_LOG_DIR, FastDeploy's default
-    log, never under the current directory; no tool leaves a temporary file."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    env = {**_env_without("FD_LOG_DIR"), "TMPDIR": str(scratch)}
-    done = subprocess.run(
+def _tool(folder: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "fd_cudagraph_plugin", *argv],
-        cwd=tmp_path,
-        env=env,
+        cwd=folder,
+        env={**_env_without("FD_LOG_DIR"), **env},
         input="3\n",
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    assert done.returncode in ((0,) if argv[0] == "demo" else (0, 1)), done.stderr[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
-    assert list(scratch.iterdir()) == []
+
+
+def test_a_demo_error_is_one_line_without_paddles_warnings(started):
+    """Paddle's ccache warning made each demo error three lines."""
+    done, _ = started["demo error"].result()
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("fd-cudagraph: --runtime cuda: this Paddle is not compiled with CUDA")
+
+
+TOOLS = {
+    "plan": ["plan"],
+    "tune": ["tune", "-"],
+    "doctor": ["doctor"],
+    "demo": ["demo", "--steps", "3", "--sizes", "1,2"],
+}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_no_tool_leaves_anything_in_tmpdir_or_the_current_directory(started, tool):
+    """The demo's capture session records graph memory under FD_LOG_DIR, FastDeploy's default
+    log, never under the current directory; no tool leaves a temporary file."""
+    done, folder = started[tool].result()
+    assert done.returncode in ((0,) if tool == "demo" else (0, 1)), done.stderr[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["tmp"]
+    assert list((folder / "tmp").iterdir()) == []
+
+
+def _in(folder: Path, call, *args, **kwargs):
+    """``call``'s result and the folder it ran in."""
+    return call(folder, *args, **kwargs), folder
+
+
+def _with_tmpdir(folder: Path, argv: list[str]):
+    (folder / "tmp").mkdir()
+    return _in(folder, _tool, *argv, TMPDIR=str(folder / "tmp"))
+
+
+def start_early(tmp_path_factory) -> Beside:
+    """The processes of this file run beside the in-process tests (conftest.py), each in an
+    empty folder of its own."""
+
+    def folder() -> Path:
+        return tmp_path_factory.mktemp("demo-env")
+
+    calls = {
+        "sigterm": functools.partial(_in, folder(), _sigterm_while_serving),
+        "demo error": functools.partial(_in, folder(), _tool, "demo", "--runtime", "cuda"),
+    }
+    for tool, argv in TOOLS.items():
+        calls[tool] = functools.partial(_with_tmpdir, folder(), argv)
+    return Beside(calls)

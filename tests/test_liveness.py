@@ -322,16 +322,36 @@ def run_alone(forks: Forks, case) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-@pytest.fixture(scope="module")
-def facts(tmp_path_factory) -> dict:
+def run_all(folder: Path) -> dict:
     """Every case at once: what they do is mostly stalls and timeouts, not work."""
-    forks = Forks(tmp_path_factory.mktemp("ranks"))
+    forks = Forks(folder)
     try:
         with ThreadPoolExecutor(len(CASES)) as pool:
             futures = {case: pool.submit(run_alone, forks, case) for case in CASES}
             return {case: future.result() for case, future in futures.items()}
     finally:
         forks.end()
+
+
+class Running:
+    """``run_all`` in a thread of its own, beside the in-process tests (conftest.py starts it
+    once collection is done, and this module's tests go last)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="liveness")
+        self.future = self.pool.submit(run_all, folder)
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_early(tmp_path_factory) -> Running:
+    return Running(tmp_path_factory.mktemp("ranks"))
+
+
+@pytest.fixture(scope="module")
+def facts(started) -> dict:
+    return started.future.result()
 
 
 def _completes(point: list[dict]) -> bool:

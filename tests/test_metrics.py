@@ -3,6 +3,7 @@ FastDeploy's /metrics through prometheus_client's multiprocess files."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Buffers, TinyBackbone, make_config
+from conftest import Beside, Buffers, TinyBackbone, make_config
 
 from fd_cudagraph_plugin.core import observability, process
 from fd_cudagraph_plugin.core.backend import CudaGraphBackend
@@ -46,12 +47,10 @@ def sample(name, backend, **labels):
     )
 
 
-def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(tmp_path):
-    from prometheus_client import CollectorRegistry, multiprocess
-
+def _worker(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
     env = {
         **os.environ,
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PROMETHEUS_MULTIPROC_DIR": str(folder),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     worker = subprocess.run(
@@ -62,6 +61,18 @@ def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(tmp_pa
         text=True,
         timeout=120,
     )
+    return worker, folder
+
+
+def start_early(tmp_path_factory) -> Beside:
+    """The worker process runs beside the in-process tests (conftest.py)."""
+    return Beside({"worker": functools.partial(_worker, tmp_path_factory.mktemp("metrics"))})
+
+
+def test_worker_metrics_reach_a_multiprocess_collector_in_another_process(started):
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    worker, tmp_path = started["worker"].result()
     assert worker.returncode == 0, worker.stderr
     served = json.loads(worker.stdout.splitlines()[-1])
 

@@ -8,6 +8,7 @@ the import order of a real worker: FastDeploy loads plugins (so calls ``register
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import Beside
 
 TESTS = Path(__file__).resolve().parent
 
@@ -42,19 +44,16 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize(
-    "first_import",
-    [
-        # FastDeploy's order: gpu_model_runner imports the models package, which loads plugins.
-        "fastdeploy.worker.gpu_model_runner",
-        # Plugins loaded before the runner module exists (a loader imported the models first).
-        "fastdeploy.model_executor.models",
-    ],
-)
-def test_first_backend_built_inside_capture_model_still_captures_in_a_session(
-    tmp_path, first_import
-):
-    report_path = tmp_path / "report.json"
+FIRST_IMPORTS = [
+    # FastDeploy's order: gpu_model_runner imports the models package, which loads plugins.
+    "fastdeploy.worker.gpu_model_runner",
+    # Plugins loaded before the runner module exists (a loader imported the models first).
+    "fastdeploy.model_executor.models",
+]
+
+
+def _worker(folder: Path, first_import: str) -> tuple[subprocess.CompletedProcess, Path]:
+    report_path = folder / "report.json"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
@@ -65,11 +64,29 @@ def test_first_backend_built_inside_capture_model_still_captures_in_a_session(
     done = subprocess.run(
         [sys.executable, "-c", WORKER, str(TESTS), first_import],
         env=env,
-        cwd=tmp_path,
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=120,
     )
+    return done, report_path
+
+
+def start_early(tmp_path_factory) -> Beside:
+    """Each fresh interpreter runs beside the in-process tests (conftest.py)."""
+    return Beside(
+        {
+            name: functools.partial(_worker, tmp_path_factory.mktemp("hooks"), name)
+            for name in FIRST_IMPORTS
+        }
+    )
+
+
+@pytest.mark.parametrize("first_import", FIRST_IMPORTS)
+def test_first_backend_built_inside_capture_model_still_captures_in_a_session(
+    started, first_import
+):
+    done, report_path = started[first_import].result()
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts == {"sessions": 1, "phase": "decode", "report_sizes": [4, 2, 1]}

@@ -3,28 +3,44 @@ demo's serving untouched (the progress bar and the log handlers count their fail
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from conftest import Beside
+
+STDERRS = ["2>&-", "2>/dev/full"]
 
 
-@pytest.mark.parametrize("stderr", ["2>&-", "2>/dev/full"])
-def test_the_demo_captures_and_serves_with_stderr_closed_or_full(tmp_path, stderr):
-    # Before: with stderr closed the progress bar raised AttributeError ('NoneType' object has
-    # no attribute 'write') out of the capture; on /dev/full the demo exited 1 and said nothing.
+def _demo(folder: Path, stderr: str) -> subprocess.CompletedProcess:
     command = f"{sys.executable} -m fd_cudagraph_plugin demo --steps 3 {stderr}"
-    env = {**os.environ, "FD_LOG_DIR": str(tmp_path)}
-    done = subprocess.run(
+    env = {**os.environ, "FD_LOG_DIR": str(folder)}
+    return subprocess.run(
         ["bash", "-c", command],
         capture_output=False,
         stdout=subprocess.PIPE,
         text=True,
         env=env,
         timeout=300,
-        cwd=tmp_path,
+        cwd=folder,
     )
+
+
+def start_early(tmp_path_factory) -> Beside:
+    """Each demo runs beside the in-process tests (conftest.py)."""
+    return Beside(
+        {e: functools.partial(_demo, tmp_path_factory.mktemp("demo"), e) for e in STDERRS}
+    )
+
+
+@pytest.mark.parametrize("stderr", STDERRS)
+def test_the_demo_captures_and_serves_with_stderr_closed_or_full(started, stderr):
+    # Before: with stderr closed the progress bar raised AttributeError ('NoneType' object has
+    # no attribute 'write') out of the capture; on /dev/full the demo exited 1 and said nothing.
+    done = started[stderr].result()
     assert done.returncode == 0
     assert "replay vs eager: 0 mismatches in 3 steps -- OK" in done.stdout
 

@@ -12,6 +12,8 @@ on every rank.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -144,8 +146,24 @@ def test_every_interleaving_of_every_subset_of_ranks_reads_one_verdict(world):
             assert any(v.complete for v in verdicts) == (count == world)
 
 
-def test_every_interleaving_of_four_ranks_reads_one_verdict():
-    ends = _runs(4, (0, 1, 2, 3))
+class Spawned:
+    """The four-rank walk (seconds of one core) in a process of its own, beside the in-process
+    tests (conftest.py starts it once collection is done, and this module's tests go last)."""
+
+    def __init__(self) -> None:
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.four = self.pool.submit(_runs, 4, (0, 1, 2, 3))
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_early(tmp_path_factory) -> Spawned:
+    return Spawned()
+
+
+def test_every_interleaving_of_four_ranks_reads_one_verdict(started):
+    ends = started.four.result()
     _check(4, ends)
     complete = [e for e in ends if any(isinstance(v, Verdict) and v.complete for v in e.values())]
     abandoned = [
