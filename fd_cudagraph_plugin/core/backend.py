@@ -85,6 +85,8 @@ class CudaGraphBackend:
         #: The report of the last capture session this backend took part in.
         self.capture_report: CaptureReport | None = None
         self._warned: set[tuple[str, int]] = set()
+        #: Served decode steps per key when its last capture session ended.
+        self._observed_at_capture: dict[int, int] = {}
         path = settings.options.stats_file
         self._stats_file = observability.StatsFile(path, settings, worker.outputs) if path else None
         if settings.padding_disagreements:
@@ -206,12 +208,25 @@ class CudaGraphBackend:
         self._session = None
         if report is not None:
             self.capture_report = report
+            self._observed_at_capture = self.observed_keys()
         else:
             # The failed session's graphs were discarded: the next session captures in the plan's
             # order from the graphs still held (an interrupted recapture left the order midway).
             held = sum(1 for e in self.table.decode.values() if e.captured)
             self.capturer.rewind(held)
         self.dispatcher.in_session(False)
+
+    def traffic_since_capture(self) -> dict[int, int]:
+        """Decode steps served per key since its last capture session ended."""
+        before = self._observed_at_capture
+        now = self.observed_keys()
+        return {key: n - before.get(key, 0) for key, n in now.items() if n > before.get(key, 0)}
+
+    def adopt_sizes(self, sizes: tuple[int, ...]) -> None:
+        """Capture and serve only ``sizes`` of its decode sizes (a fit to traffic) until its
+        graphs are released: a step pads to the next size kept."""
+        self.rebuild(self.settings.mode.fitted(sizes))
+        self.capturer.plan = tuple(sorted(sizes, reverse=True))
 
     # ------------------------------------------------------------------ what the lifecycle asks
 
@@ -238,6 +253,7 @@ class CudaGraphBackend:
         entries = self.table.all()
         captured = sum(1 for e in entries if e.captured)
         self.rebuild(self.settings.mode)  # static full decides again at the next capture
+        self.capturer.plan = tuple(self.settings.capture_sizes)
         for entry in entries:
             entry.release()
         self.capturer.reset()

@@ -121,6 +121,8 @@ class Capturer:
         #: The pool this backend captures into; taken at its first capture, given back on clear.
         self.pool: object | None = None
         self.captures = 0
+        #: The decode sizes captured in order: FastDeploy's list, or a fit to traffic's.
+        self.plan = tuple(settings.capture_sizes)
         self._next = 0
         self._dot_unsupported_logged = False
 
@@ -304,7 +306,7 @@ class Capturer:
         registration is a collective whose lists the ranks match by position."""
         if seam.is_xpu():
             return  # FastDeploy does not check it there either
-        plan = self.settings.capture_sizes
+        plan = self.plan
         if self._next >= len(plan):
             raise CaptureOrderError(
                 f"CUDA graph capture of size {size} after all {len(plan)} planned captures "

@@ -57,16 +57,38 @@ class Counts:
         self.other_keys: Counter[int] = Counter()
         #: Decode steps above the largest graph, by key: eager for their size, whoever ran them.
         self.above: Counter[int] = Counter()
+        #: What earlier modes' tables counted (``remode``): per-size sums, and steps per key.
+        self._folded: tuple[Counter[int], ...] = tuple(Counter() for _ in range(5))
+        self._keys_before: Counter[int] = Counter()
+
+    def remode(self, mode: Mode) -> None:
+        """Count under ``mode`` from now on: a fit to traffic pads keys to other sizes, so the
+        steps counted so far are summed per size under the tables they were served by."""
+        if mode.key_table == self.mode.key_table and mode.decode_table == self.mode.decode_table:
+            self.mode = mode
+            return
+        for total, part in zip(self._folded, self._per_size(), strict=True):
+            total.update(part)
+        self._keys_before.update({key: n for key, n in enumerate(list(self.steps)) if n})
+        for counts in (self.steps, self.tokens, self.by_tokens, self.prefill_steps):
+            counts[:] = [0] * len(counts)
+        self.mode = mode
 
     def observed(self) -> dict[int, int]:
         """Decode steps per key, however they were served, those above the largest graph
         (``above``) included: what ``fd-cudagraph tune`` reads."""
-        seen = Counter(dict(self.other_keys)) + Counter(dict(self.above))
+        seen = Counter(dict(self.other_keys)) + Counter(dict(self.above)) + self._keys_before
         seen.update({key: n for key, n in enumerate(list(self.steps)) if n})
         return dict(seen)
 
-    def per_size(self) -> tuple[Counter[int], Counter[int], Counter[int], Counter[int]]:
-        """Decode replays and padded tokens per size, then the same for prefill."""
+    def per_size(self) -> tuple[Counter[int], ...]:
+        """Decode replays and padded tokens per size, the same for prefill, and the decode steps
+        a fit to traffic padded past the size FastDeploy's list has for them, by that size."""
+        return tuple(
+            total + part for total, part in zip(self._folded, self._per_size(), strict=True)
+        )
+
+    def _per_size(self) -> tuple[Counter[int], ...]:
         mode = self.mode
         replays: Counter[int] = Counter()
         padded: Counter[int] = Counter()
@@ -80,13 +102,18 @@ class Counts:
         prefill: Counter[int] = Counter()
         prefill_padded: Counter[int] = Counter()
         _add_by_tokens(self.prefill_steps, mode.prefill_table, prefill, prefill_padded)
-        return replays, padded, prefill, prefill_padded
+        past: Counter[int] = Counter()
+        for key, unfitted in enumerate(mode.unfitted_key_table):
+            if unfitted and unfitted != mode.key_table[key] and self.steps[key]:
+                past[unfitted] += self.steps[key]
+        return replays, padded, prefill, prefill_padded, past
 
     def summary(self) -> dict:
         """Replays, padding and eager steps as plain data (``stats()``)."""
-        replays, padded, prefill, _ = self.per_size()
+        replays, padded, prefill, _, past = self.per_size()
         return {
             "replays": dict(sorted(replays.items())),
+            "padded_past_fastdeploy": {s: n for s, n in sorted(past.items()) if n},
             "prefill_replays": dict(sorted(prefill.items())),
             "eager_fallbacks": dict(self.fallbacks),
             "padded_tokens": sum(padded.values()),
@@ -124,6 +151,8 @@ class Dispatcher:
 
     def rebuild(self, mode: Mode, table: GraphTable) -> None:
         """Serve from ``table`` under ``mode``; nothing is published in it yet."""
+        self.served_counts.remode(mode)
+        self.capture_counts.remode(mode)
         self.mode = mode
         self.table = table
         self._unverified = set()

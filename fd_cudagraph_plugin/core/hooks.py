@@ -45,7 +45,7 @@ def _in_session(method: Callable, phase: str) -> Callable:
             reserve=reserve.state().current,
         )
         try:
-            with session:
+            with session, seam.loop_visits(runner, session.fitted_sizes):
                 result = method(runner, *args, **kwargs)
         except CaptureError as error:
             reserve.state().after_failed_capture(error, session.members)

@@ -83,6 +83,8 @@ class Mode:
     graph_opt_level: int = 0
     full_cuda_graph: bool = True
     speculative: bool = False
+    #: ``key_table`` as FastDeploy's list pads, where a fit captures fewer sizes (else empty).
+    unfitted_key_table: tuple[int, ...] = field(default=(), repr=False)
 
     @classmethod
     def of(cls, settings: Configured) -> Mode:
@@ -120,6 +122,26 @@ class Mode:
     @property
     def name(self) -> str:
         return self.kind.value
+
+    @property
+    def fittable(self) -> bool:
+        """Decode graphs the plugin captures one per size, from the dygraph model: the ones a
+        fit to traffic may capture fewer of (``fit.py``)."""
+        return self.kind is Kind.DYNAMIC and not self.only_prefill and bool(self.decode_sizes)
+
+    def fitted(self, sizes: tuple[int, ...]) -> Mode:
+        """This mode capturing only ``sizes`` of its decode sizes (its largest among them): a
+        step pads to the next size kept, never past the largest, so none runs eagerly that did
+        not before."""
+        table = padding_table(sizes)
+        up = tuple(table[size] if size else 0 for size in self.key_table)
+        return dataclasses.replace(
+            self,
+            decode_sizes=tuple(sorted(sizes, reverse=True)),
+            decode_table=tuple(table[size] if size else 0 for size in self.decode_table),
+            key_table=up,
+            unfitted_key_table=self.unfitted_key_table or self.key_table,
+        )
 
     @property
     def undecided(self) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.fit import Budget
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ def _reserve(text: str) -> object:
 
 def describe(env: str, value: object) -> str:
     """How a parsed value reads back, for ``fd-cudagraph doctor``: what the plugin will use."""
+    if value is None:
+        return "off"
     if env == "FD_CUDAGRAPH_KV_RESERVE" and isinstance(value, int):
         units = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
         unit, scale = next(((u, s) for u, s in units if value >= s), ("B", 1))
@@ -277,6 +280,16 @@ OPTIONS: tuple[Option, ...] = (
         "before the cache is sized. `auto` reserves what this plan's graphs took on this rank "
         "last time, or measures a probe capture when there is no record yet.",
         _reserve,
+    ),
+    Option(
+        "FD_CUDAGRAPH_FIT",
+        "off",
+        (),
+        "`off`, `graphs:N` or `padding:P`: at each recapture after a lifecycle call, capture the "
+        "subset of FastDeploy's sizes that pads the decode steps served since the last capture "
+        "least, with at most N graphs, or with the fewest graphs within P percent more padded "
+        "tokens than FastDeploy's list; its largest size always kept. Rank 0's traffic decides.",
+        Budget.parse,
     ),
     Option(
         "FD_CUDAGRAPH_CHECK_ADDRESSES",
@@ -452,6 +465,7 @@ class PluginOptions:
     pool_set: bool
     rank_timeout: float
     kv_reserve: object
+    fit: Budget | None
     check_addresses: int
     self_check: str
     memory_report: str
@@ -477,6 +491,7 @@ class PluginOptions:
             pool_set=bool(source.get("FD_CUDAGRAPH_POOL", "").strip()),
             rank_timeout=get("RANK_TIMEOUT"),
             kv_reserve=get("KV_RESERVE"),
+            fit=get("FIT"),
             check_addresses=get("CHECK_ADDRESSES"),
             self_check=get("SELF_CHECK"),
             memory_report=get("MEMORY_REPORT"),

@@ -228,6 +228,23 @@ RUNNERS = (
 #: The loops, and the phase each captures: ``capture_model`` (decode) on every release,
 #: ``capture_model_prefill_and_mixed`` (static split prefill) from 2.5.
 CAPTURE_LOOPS = (("capture_model", "decode"), ("capture_model_prefill_and_mixed", "prefill"))
+
+
+@contextlib.contextmanager
+def loop_visits(runner: Any, sizes: tuple[int, ...] | None) -> Iterator[None]:
+    """``capture_model()`` walks ``runner.cudagraph_capture_sizes`` (every release, kept
+    ascending); with ``sizes`` it walks those alone, and FastDeploy's list is put back after."""
+    if not sizes or not hasattr(runner, "cudagraph_capture_sizes"):
+        yield
+        return
+    own = runner.cudagraph_capture_sizes
+    runner.cudagraph_capture_sizes = sorted(sizes)
+    try:
+        yield
+    finally:
+        runner.cudagraph_capture_sizes = own
+
+
 #: The worker whose memory profile sizes the KV cache (2.4 through develop).
 WORKERS = (("fastdeploy.worker.gpu_worker", "GpuWorker"),)
 _RUNNER_PACKAGE = "fastdeploy.worker"

@@ -19,6 +19,7 @@ a write that fails is counted and logged once (``outputs.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -31,11 +32,11 @@ from typing import Any, Protocol
 
 import msgspec
 
-from fd_cudagraph_plugin.core import budget, lifecycle, outputs, process, seam, warmups
+from fd_cudagraph_plugin.core import budget, fit, lifecycle, outputs, process, seam, warmups
 from fd_cudagraph_plugin.core.budget import Reserve
 from fd_cudagraph_plugin.core.capture import Registered, register, self_checks
 from fd_cudagraph_plugin.core.errors import CaptureError, RankMismatchError, human_bytes, plural
-from fd_cudagraph_plugin.core.graphs import Captured, GraphEntry, GraphKey
+from fd_cudagraph_plugin.core.graphs import DECODE, Captured, GraphEntry, GraphKey
 from fd_cudagraph_plugin.core.moved import summary as moved_summary
 from fd_cudagraph_plugin.core.ranks.agreement import (
     Agreement,
@@ -57,6 +58,7 @@ class SessionBackend(Registered, lifecycle.LifecycleBackend, Protocol):
 
     settings: Settings
     warmed: WarmedSizes
+    role: str
 
     def expected(self) -> list[GraphEntry]:
         """The graphs this backend captures in a full session."""
@@ -66,6 +68,12 @@ class SessionBackend(Registered, lifecycle.LifecycleBackend, Protocol):
 
     def session_closed(self, report: CaptureReport | None) -> None:
         """The session closed; ``report`` is what it captured (None when it failed)."""
+
+    def traffic_since_capture(self) -> dict[int, int]:
+        """Decode steps served per key since its last capture session ended."""
+
+    def adopt_sizes(self, sizes: tuple[int, ...]) -> None:
+        """Capture and serve only ``sizes`` of its decode sizes until its graphs are released."""
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -167,6 +175,8 @@ class CaptureReport:
     cause: str = ""
     #: What a graph reads that moved since the capture before (None: there was none before).
     moved: list[str] | None = None
+    #: Which decode sizes a fit to traffic captured, and from what (``FD_CUDAGRAPH_FIT``).
+    fit: str = ""
 
     @property
     def graphs(self) -> int:
@@ -202,6 +212,8 @@ class CaptureReport:
         )
         if self.memory:
             text += "; " + budget.memory_line(self.memory, self.rank)
+        if self.fit:
+            text += f"; {self.fit}"
         if self.cause:
             text = f"recaptured by the plugin {self.cause}: {text}"
         elif self.moved is not None:
@@ -350,6 +362,9 @@ class CaptureSession:
         #: The graphs captured so far whose all-reduce buffers are not registered yet, with
         #: the inputs each was captured on (its self-check replays against eager on them).
         self._unregistered: list[tuple[SessionBackend, GraphEntry, dict]] = []
+        #: The decode sizes every rank captures in this session where a fit to traffic chose
+        #: fewer than FastDeploy's list (``FD_CUDAGRAPH_FIT``): what its capture loop visits.
+        self.fitted_sizes: tuple[int, ...] | None = None
 
     @property
     def rank(self) -> int:
@@ -422,7 +437,10 @@ class CaptureSession:
             **backends_plan(self.members),
         }
         unwarmed = [m.warmed.missing(e.key for e in m.expected()) for m in self.members]
-        mine = PlanPayload(plan=plan, unwarmed=unwarmed)
+        fitted = self._fit()
+        mine = PlanPayload(
+            plan=plan, unwarmed=unwarmed, fitted=list(fitted.sizes) if fitted else []
+        )
         everyone = self.agreement.share("plan", None, None, lambda: mine, PlanPayload)
         diff = plan_diff([e.plan for e in everyone])
         if diff:
@@ -437,6 +455,65 @@ class CaptureSession:
                 )
             )
         self._to_warm = warmups.agreed([e.unwarmed for e in everyone], len(self.members))
+        if everyone[0].fitted:
+            self._adopt(tuple(everyone[0].fitted), fitted)
+
+    def _fittable(self) -> list[SessionBackend]:
+        """The members a fit to traffic applies to: a recapture of plain decode graphs, none
+        held (a fit changes which sizes exist)."""
+        if self.options.fit is None or self.phase != DECODE or not self.ordered or self.purpose:
+            return []
+        members = [m for m in self.members if m.settings.mode.fittable]
+        if not members or any(m.has_graphs() for m in members):
+            return []
+        return members
+
+    def _fit(self) -> fit.Fitted | None:
+        """This rank's proposal: the target's traffic since its last capture, fitted."""
+        members = self._fittable()
+        if not members:
+            return None
+        target = next((m for m in members if m.role == "target"), members[0])
+        settings = target.settings
+        unit = settings.num_speculative_tokens + 1 if settings.mode.keyed_by_running else 1
+        # Under speculative decoding keys are running requests: a size holds size // unit.
+        by_capacity = {}
+        for size in sorted(settings.capture_sizes, reverse=True):
+            by_capacity[size // unit] = size
+        result = fit.fit(target.traffic_since_capture(), list(by_capacity), self.options.fit, unit)
+        if result.why:
+            self.report.fit = result.describe(settings.capture_sizes)
+            return None
+        sizes = tuple(sorted((by_capacity[c] for c in result.sizes), reverse=True))
+        return dataclasses.replace(result, sizes=sizes)
+
+    def _adopt(self, sizes: tuple[int, ...], mine: fit.Fitted | None) -> None:
+        """Every rank captures rank 0's fitted list; one that cannot (not FastDeploy's sizes
+        here, its largest missing) fails the session on every rank, as a plan mismatch does."""
+        members = self._fittable()
+        for member in members:
+            own = member.settings.capture_sizes
+            if not set(sizes) <= set(own) or max(own) not in sizes:
+                raise self.agreement.stop(
+                    RankMismatchError(
+                        f"rank 0 fitted the decode sizes {list(sizes)} to its traffic, which are "
+                        f"not a subset of this rank's {list(own)} with its largest; start every "
+                        "rank with the same settings and FD_CUDAGRAPH_* variables.",
+                        stage="plan",
+                    )
+                )
+        if not members:
+            return
+        for member in members:
+            member.adopt_sizes(sizes)
+        self.fitted_sizes = sizes
+        own = f" (this rank's traffic: {list(mine.sizes)})" if mine and mine.sizes != sizes else ""
+        default = members[0].settings.capture_sizes
+        self.report.fit = (
+            f"{len(sizes)} of FastDeploy's {len(default)} decode sizes, rank 0's fit to its "
+            f"traffic: {', '.join(map(str, sizes))}{own}"
+            + (f"; {mine.describe(default)}" if mine and mine.sizes == sizes else "")
+        )
 
     def _register(self) -> None:
         """Register the all-reduce buffers of every graph of the session at once (one collective

@@ -70,6 +70,9 @@ class PlanPayload(Message, tag=True):
         Meta(max_length=512),
     ]
     unwarmed: Annotated[list[Unwarmed], Meta(max_length=16)]
+    #: The decode sizes this rank's traffic fits (``fit.py``); empty: FastDeploy's list.
+    #: Rank 0's is what every rank captures.
+    fitted: Annotated[list[Annotated[int, Meta(ge=1, le=1 << 31)]], Meta(max_length=1024)] = []
 
 
 class RankMemory(Message, tag=True):

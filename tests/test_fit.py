@@ -1,0 +1,185 @@
+"""The fit of capture sizes to served steps: exact against brute force, within the budget,
+FastDeploy's largest size always kept, FastDeploy's list where the traffic says too little."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import paddle
+import pytest
+
+from fd_cudagraph_plugin.core.fit import MIN_STEPS, Budget, fit, padded
+from fd_cudagraph_plugin.core.sizes import padding_table
+
+#: FastDeploy develop's automatic list for max_num_seqs 64.
+DEFAULT = [64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
+
+
+def _brute(histogram, sizes, count, unit):
+    top = max(sizes)
+    rest = [s for s in sizes if s != top]
+    options = ((top, *chosen) for c in range(count) for chosen in itertools.combinations(rest, c))
+    return min(padded(option, histogram, unit) for option in options)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fit_is_the_least_padding_any_subset_with_the_largest_gets(seed):
+    rng = random.Random(seed)
+    sizes = sorted(rng.sample(range(1, 80), rng.randint(2, 9)))
+    unit = rng.choice([1, 2, 3])
+    histogram = {rng.randint(1, max(sizes)): rng.randint(1, 200) for _ in range(rng.randint(1, 30))}
+    histogram[1] = histogram.get(1, 0) + MIN_STEPS  # enough traffic to fit
+    for count in range(1, len(sizes) + 1):
+        got = fit(histogram, sizes, Budget(graphs=count), unit)
+        assert max(sizes) in got.sizes and len(got.sizes) <= count
+        assert set(got.sizes) <= set(sizes)
+        assert got.padded == padded(got.sizes, histogram, unit)
+        assert got.padded == _brute(histogram, sizes, count, unit), (sizes, histogram, count)
+
+
+@pytest.mark.parametrize("percent", [0, 5, 50])
+def test_a_padding_budget_takes_the_fewest_sizes_within_it(percent):
+    rng = random.Random(percent)
+    histogram = {rng.choice([1, 2, 3, 5, 9, 17, 33, 60]): rng.randint(1, 100) for _ in range(60)}
+    histogram[3] = histogram.get(3, 0) + MIN_STEPS
+    got = fit(histogram, DEFAULT, Budget(padding=percent))
+    allowed = padded(DEFAULT, histogram) * (1 + percent / 100)
+    assert got.padded <= allowed and got.padded_default == padded(DEFAULT, histogram)
+    fewer = (
+        fit(histogram, DEFAULT, Budget(graphs=len(got.sizes) - 1)) if len(got.sizes) > 1 else None
+    )
+    assert fewer is None or fewer.padded > allowed  # one size fewer would break the budget
+
+
+def test_too_little_traffic_keeps_fastdeploys_list():
+    got = fit({3: MIN_STEPS - 1}, DEFAULT, Budget(graphs=2))
+    assert got.sizes == tuple(DEFAULT) and "fewer than" in got.why
+    got = fit({3: MIN_STEPS}, DEFAULT, Budget(graphs=2))
+    assert got.sizes == (64, 4) and not got.why
+
+
+def test_steps_above_the_largest_are_left_to_fastdeploy():
+    got = fit({3: MIN_STEPS, 100: 10_000}, DEFAULT, Budget(graphs=1))
+    assert got.sizes == (64,) and got.steps == MIN_STEPS
+
+
+@pytest.mark.parametrize(
+    ("text", "budget"),
+    [
+        ("off", None),
+        ("graphs:8", Budget(graphs=8)),
+        ("padding:10", Budget(padding=10.0)),
+        ("padding:0.5", Budget(padding=0.5)),
+    ],
+)
+def test_the_budget_reads_what_the_option_takes(text, budget):
+    assert Budget.parse(text) == budget
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "on",
+        "graphs:0",
+        "graphs:513",
+        "graphs:-1",
+        "graphs:٣",
+        "padding:-1",
+        "padding:1e3",
+        "padding:nan",
+        "padding:1001",
+        "padding:",
+        "graphs",
+    ],
+)
+def test_a_bad_budget_is_refused(text):
+    with pytest.raises(ValueError, match="graphs:N"):
+        Budget.parse(text)
+
+
+# ---------------------------------------------------------------- through FastDeploy's runner
+
+
+def _served(runner, target, counts: dict[int, int]) -> None:
+    """Serve decode steps of these token counts through the runner, each equal to eager at
+    the size its graph pads to."""
+    for tokens, times in counts.items():
+        for _ in range(times):
+            out = runner.execute_step(tokens)
+            size = backend_of(target).mode.decode_table[tokens]
+            view = runner.share_inputs["ids"][:size]
+            eager = target.forward(ids_remove_padding=view, forward_meta=None)[:tokens]
+            assert paddle.allclose(out, eager).item(), tokens
+
+
+def backend_of(model):
+    return model.graph_opt_backend.cudagraph_piecewise_backend
+
+
+def _runner(max_num_seqs: int = 64):
+    from conftest import DecoratedMixing, make_config
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    config = make_config(max_num_seqs, dynamic_load_weight=True)
+    target = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, target)
+    runner.profile_run()
+    runner.update_share_input_block_num(num_gpu_blocks=4)
+    runner.capture_model()
+    return runner, target
+
+
+@pytest.mark.parametrize("fd_version", ["2.5", "2.6", "develop"], indirect=True)
+def test_a_recapture_after_a_weight_update_captures_the_sizes_the_traffic_used(
+    fd_version, monkeypatch, sim, caplog
+):
+    from fd_cudagraph_plugin import plugin
+
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:3")
+    plugin.register()
+    runner, target = _runner()
+    backend = backend_of(target)
+    default = list(backend.settings.capture_sizes)
+    assert default == DEFAULT and backend.capture_report.graphs == len(DEFAULT)  # nothing served
+    traffic = {3: 200, 5: 100, 17: 50, 40: 10}
+    _served(runner, target, traffic)
+    runner.sleep("weight")
+    caplog.set_level("INFO", logger="fd_cudagraph_plugin")
+    runner.wakeup("weight")  # capture_model() again: the loop visits the fitted sizes only
+    fitted = fit(traffic, DEFAULT, Budget(graphs=3))
+    assert len(fitted.sizes) == 3 and fitted.sizes[0] == 64
+    assert backend.capture_report.graphs == 3 and sorted(backend.table.decode) == sorted(
+        fitted.sizes
+    )
+    assert runner.cudagraph_capture_sizes == sorted(DEFAULT)  # FastDeploy's list put back
+    said = "3 of FastDeploy's 11 decode sizes, rank 0's fit to its traffic: "
+    assert any(said + ", ".join(map(str, fitted.sizes)) in r.getMessage() for r in caplog.records)
+    before = backend.stats()
+    later = {3: 5, 5: 5, 9: 2, 64: 1}
+    _served(runner, target, later)  # every step pads to a size kept, never eager
+    stats = backend.stats()
+    assert stats["eager_fallbacks"] == before["eager_fallbacks"]
+    theirs, ours = padding_table(DEFAULT), padding_table(fitted.sizes)
+    past = Counter(before["padded_past_fastdeploy"])
+    for tokens, n in later.items():
+        if theirs[tokens] != ours[tokens]:
+            past[theirs[tokens]] += n
+    assert past and stats["padded_past_fastdeploy"] == dict(past)
+    # The next recapture with no traffic since keeps FastDeploy's list.
+    runner.sleep("weight")
+    runner.wakeup("weight")
+    assert backend.capture_report.graphs == len(DEFAULT)
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_with_the_option_off_a_recapture_makes_fastdeploys_whole_list(
+    fd_version, plugin_registered
+):
+    runner, target = _runner()
+    _served(runner, target, {3: 400})
+    runner.sleep("weight")
+    runner.wakeup("weight")
+    assert backend_of(target).capture_report.graphs == len(DEFAULT)
