@@ -11,6 +11,7 @@ import paddle
 import pytest
 
 from fd_cudagraph_plugin.core.fit import MIN_STEPS, Budget, fit, padded
+from fd_cudagraph_plugin.core.reserve import Record
 from fd_cudagraph_plugin.core.sizes import padding_table
 
 #: FastDeploy develop's automatic list for max_num_seqs 64.
@@ -168,6 +169,10 @@ def test_a_recapture_after_a_weight_update_captures_the_sizes_the_traffic_used(
         if theirs[tokens] != ours[tokens]:
             past[theirs[tokens]] += n
     assert past and stats["padded_past_fastdeploy"] == dict(past)
+    # The graph-memory record a start reserves from holds the start's whole list, not the fit.
+    record = Record.of(backend.settings)
+    plans, problem = record.load()
+    assert problem is None and [p["plan"]["graphs"] for p in plans.values()] == [len(DEFAULT)]
     # The next recapture with no traffic since keeps FastDeploy's list.
     runner.sleep("weight")
     runner.wakeup("weight")

@@ -209,7 +209,9 @@ class KvReserve:
     def _after_capture(self, report: CaptureReport, members: list[Any]) -> None:
         mine = report.mine()
         choice = self.current.choice
-        if mine is None or not report.records:
+        # A start captures FastDeploy's whole list: a recapture of fewer sizes fitted to traffic
+        # took less than the next start needs, and is no figure to reserve from.
+        if mine is None or not report.records or report.fit_sizes:
             return
         taken = mine.taken_bytes
         # A probe at this start already took part of what a start without one takes in the

@@ -177,6 +177,7 @@ class CaptureReport:
     moved: list[str] | None = None
     #: Which decode sizes a fit to traffic captured, and from what (``FD_CUDAGRAPH_FIT``).
     fit: str = ""
+    fit_sizes: tuple[int, ...] = ()
 
     @property
     def graphs(self) -> int:
@@ -261,6 +262,7 @@ class CaptureReport:
             "graph_bytes": self.graph_bytes,
             "largest_graph_bytes": self.largest_graph_bytes,
             "warmups": self.warmups,
+            "fitted_sizes": list(self.fit_sizes) or None,
             "captures": [asdict(r) for r in self.records],
             "memory": [
                 {
@@ -506,7 +508,7 @@ class CaptureSession:
             return
         for member in members:
             member.adopt_sizes(sizes)
-        self.fitted_sizes = sizes
+        self.fitted_sizes = self.report.fit_sizes = sizes
         own = f" (this rank's traffic: {list(mine.sizes)})" if mine and mine.sizes != sizes else ""
         default = members[0].settings.capture_sizes
         self.report.fit = (
