@@ -11,7 +11,7 @@ import paddle
 import pytest
 
 from fd_cudagraph_plugin.core.fit import MIN_STEPS, Budget, fit, padded
-from fd_cudagraph_plugin.core.reserve import Record
+from fd_cudagraph_plugin.core.reserve import Record, record_key
 from fd_cudagraph_plugin.core.sizes import padding_table
 
 #: FastDeploy develop's automatic list for max_num_seqs 64.
@@ -172,7 +172,7 @@ def test_a_recapture_after_a_weight_update_captures_the_sizes_the_traffic_used(
     # The graph-memory record a start reserves from holds the start's whole list, not the fit.
     record = Record.of(backend.settings)
     plans, problem = record.load()
-    assert problem is None and [p["plan"]["graphs"] for p in plans.values()] == [len(DEFAULT)]
+    assert problem is None and plans[record_key([backend], "decode")]["plan"]["graphs"] == 11
     # The next recapture with no traffic since keeps FastDeploy's list.
     runner.sleep("weight")
     runner.wakeup("weight")
@@ -188,3 +188,45 @@ def test_with_the_option_off_a_recapture_makes_fastdeploys_whole_list(
     runner.sleep("weight")
     runner.wakeup("weight")
     assert backend_of(target).capture_report.graphs == len(DEFAULT)
+
+
+@pytest.mark.parametrize("fd_version", ["2.6", "develop"], indirect=True)
+def test_target_and_draft_capture_one_fitted_list_under_mtp(
+    fd_version, monkeypatch, sim, recording_ar
+):
+    """Keys are running requests: a size of c tokens holds c / (k + 1) of them. The draft is
+    captured in the target's loop, so both adopt the one list; serving stays equal to eager."""
+    from conftest import DecoratedDraft, DecoratedMixing, make_config
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin import plugin
+
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:2")
+    plugin.register()
+    mtp = {"method": "mtp", "num_speculative_tokens": 1, "num_model_steps": 1}
+    config = make_config(
+        16, speculative=mtp, dynamic_load_weight=True, draft_model_use_cudagraph=True
+    )
+    target, draft = DecoratedMixing(fd_config=config), DecoratedDraft(fd_config=config)
+    runner = GPUModelRunner(config, target, draft_model=draft)
+    runner.profile_run()
+    runner.update_share_input_block_num(num_gpu_blocks=4)
+    runner.capture_model()
+    default = list(backend_of(target).settings.capture_sizes)
+    for tokens in [2] * 200 + [6] * 100:  # 1 and 3 requests of 2 tokens each
+        runner.execute_step(tokens)
+    runner.sleep("weight")
+    runner.wakeup("weight")
+    sizes = sorted(backend_of(target).table.decode, reverse=True)
+    assert len(sizes) == 2 and sizes[0] == max(default) and set(sizes) < set(default)
+    assert sorted(backend_of(draft).table.decode, reverse=True) == sizes
+    assert backend_of(draft).capture_report.graphs == 2 + 2
+    eager_before = dict(backend_of(target).stats()["eager_fallbacks"])
+    for tokens in (2, 4, 6, 10):
+        out = runner.execute_step(tokens)
+        size = backend_of(target).mode.key_table[tokens // 2]
+        view = runner.share_inputs["ids"][:size]
+        eager = target.forward(ids_remove_padding=view, forward_meta=None)[:tokens]
+        assert paddle.allclose(out, eager).item(), tokens
+    assert backend_of(target).stats()["eager_fallbacks"] == eager_before
+    assert recording_ar.stale_replays == 0 and recording_ar.garbage == 0

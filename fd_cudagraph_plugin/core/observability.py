@@ -100,6 +100,7 @@ def aggregate(worker: WorkerProcess) -> dict[str, Any]:
     """The counters of every live backend of ``worker``, summed, plus each one's ``stats()``."""
     replays: Counter[int] = Counter()
     fallbacks: Counter[str] = Counter()
+    past: Counter[int] = Counter()
     per_backend = {}
     captures = padded = graph_bytes = 0
     for backend in worker.backends():
@@ -110,12 +111,14 @@ def aggregate(worker: WorkerProcess) -> dict[str, Any]:
         graph_bytes += own["graph_bytes_total"]
         replays.update(own["replays"])
         fallbacks.update(own["eager_fallbacks"])
+        past.update(own["padded_past_fastdeploy"])
     return {
         "backends": per_backend,
         "captures": captures,
         "replays": dict(sorted(replays.items())),
         "eager_fallbacks": dict(fallbacks),
         "padded_tokens": padded,
+        "padded_past_fastdeploy": dict(sorted(past.items())),
         "graph_bytes": graph_bytes,
     }
 
@@ -287,14 +290,18 @@ class Reporter(threading.Thread):
 
     def _log_totals(self) -> None:
         totals = aggregate(self.worker)
+        past = totals["padded_past_fastdeploy"]
         logger.info(
             "CUDA graphs: %d replays, %d padded tokens, eager fallbacks %s, graph memory "
-            "%.0f MiB over %d backends",
+            "%.0f MiB over %d backends%s",
             sum(totals["replays"].values()),
             totals["padded_tokens"],
             totals["eager_fallbacks"] or 0,
             totals["graph_bytes"] / (1 << 20),
             len(totals["backends"]),
+            f"; padded past FastDeploy's sizes (FD_CUDAGRAPH_FIT), steps by size {past}"
+            if past
+            else "",
         )
 
 
@@ -369,6 +376,11 @@ class _Metrics:
             ),
             "padded_tokens": counter(
                 "fd_cudagraph_padded_tokens", "Tokens added by padding to a captured size"
+            ),
+            "padded_past_fastdeploy": counter(
+                "fd_cudagraph_padded_past_fastdeploy_steps",
+                "Decode steps FD_CUDAGRAPH_FIT padded past FastDeploy's size for them, by it",
+                "size",
             ),
         }
         self.failures = Counter(
@@ -469,6 +481,8 @@ def publish(backends: Iterable[Any], failures: Mapping[str, int]) -> None:
             counts[("replays", (*base, str(size)))] += replays
         for reason, steps in own["eager_fallbacks"].items():
             counts[("eager_fallbacks", (*base, reason))] += steps
+        for size, steps in own["padded_past_fastdeploy"].items():
+            counts[("padded_past_fastdeploy", (*base, str(size)))] += steps
         for name in ("graph_bytes", "capture_seconds"):
             for size, value in own[name].items():
                 gauges[(name, (*base, str(size)))] += value
