@@ -9,7 +9,9 @@ from collections import Counter
 
 import paddle
 import pytest
+from prometheus_client import REGISTRY
 
+from fd_cudagraph_plugin.core import observability, process
 from fd_cudagraph_plugin.core.fit import MIN_STEPS, Budget, fit, padded
 from fd_cudagraph_plugin.core.reserve import Record, record_key
 from fd_cudagraph_plugin.core.sizes import padding_table
@@ -140,6 +142,7 @@ def test_a_recapture_after_a_weight_update_captures_the_sizes_the_traffic_used(
     from fd_cudagraph_plugin import plugin
 
     monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:3")
+    monkeypatch.setenv("FD_CUDAGRAPH_METRICS", "1")
     plugin.register()
     runner, target = _runner()
     backend = backend_of(target)
@@ -169,6 +172,17 @@ def test_a_recapture_after_a_weight_update_captures_the_sizes_the_traffic_used(
         if theirs[tokens] != ours[tokens]:
             past[theirs[tokens]] += n
     assert past and stats["padded_past_fastdeploy"] == dict(past)
+    # The same counts in the periodic stats line's totals and in the metrics, by size.
+    worker = process.current()
+    assert observability.aggregate(worker)["padded_past_fastdeploy"] == dict(sorted(past.items()))
+    observability.publish_metrics(worker)
+    labels = {"rank": "0", "dp_rank": "0", "role": "target"}
+    try:
+        for size, n in past.items():
+            name = "fd_cudagraph_padded_past_fastdeploy_steps_total"
+            assert REGISTRY.get_sample_value(name, {**labels, "size": str(size)}) == n
+    finally:
+        observability.disable()
     # The graph-memory record a start reserves from holds the start's whole list, not the fit.
     record = Record.of(backend.settings)
     plans, problem = record.load()
