@@ -4,6 +4,7 @@ FastDeploy's largest size always kept, FastDeploy's list where the traffic says 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections import Counter
 
@@ -244,3 +245,37 @@ def test_target_and_draft_capture_one_fitted_list_under_mtp(
         assert paddle.allclose(out, eager).item(), tokens
     assert backend_of(target).stats()["eager_fallbacks"] == eager_before
     assert recording_ar.stale_replays == 0 and recording_ar.garbage == 0
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_a_start_fits_to_the_same_plans_recorded_traffic_and_never_to_another_plans(
+    fd_version, monkeypatch, sim, tmp_path
+):
+    from fd_cudagraph_plugin import plugin
+
+    stats = tmp_path / "stats.jsonl"
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:3")
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(stats))
+    plugin.register()
+    runner, target = _runner()
+    assert backend_of(target).capture_report.graphs == len(DEFAULT)  # nothing recorded yet
+    traffic = {3: 200, 5: 100, 17: 50, 40: 10}
+    _served(runner, target, traffic)
+    backend_of(target).flush_stats()
+    # Lines that are not well formed, or of another rank, cost only themselves.
+    with stats.open("a") as out:
+        out.write('[1, 2]\n{"plan": 5}\nnot json\n')
+        line = json.loads(stats.read_text().splitlines()[0])
+        out.write(json.dumps({**line, "rank": 1, "decode_token_counts": {"40": 10**6}}) + "\n")
+        out.write(json.dumps({**line, "decode_token_counts": {"99999999": 5, "4": -3}}) + "\n")
+
+    process.reset_for_tests()  # the same deployment starts again
+    runner, target = _runner()
+    fitted = fit(traffic, DEFAULT, Budget(graphs=3))
+    assert sorted(backend_of(target).table.decode, reverse=True) == list(fitted.sizes)
+    _served(runner, target, {3: 3, 9: 2})
+
+    process.reset_for_tests()  # another plan (max_num_seqs 32: another capture list)
+    runner, target = _runner(32)
+    backend = backend_of(target)
+    assert backend.capture_report.graphs == len(backend.settings.capture_sizes)

@@ -222,6 +222,12 @@ class CudaGraphBackend:
         now = self.observed_keys()
         return {key: n - before.get(key, 0) for key, n in now.items() if n > before.get(key, 0)}
 
+    def recorded_traffic(self) -> dict[int, int]:
+        """What ``FD_CUDAGRAPH_STATS_FILE`` recorded of this plan's traffic at earlier starts."""
+        if self._stats_file is None:
+            return {}
+        return observability.recorded_traffic(self._stats_file.path, self.settings, self.role)
+
     def adopt_sizes(self, sizes: tuple[int, ...]) -> None:
         """Capture and serve only ``sizes`` of its decode sizes (a fit to traffic) until its
         graphs are released: a step pads to the next size kept."""

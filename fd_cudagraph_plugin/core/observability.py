@@ -22,6 +22,7 @@ any worker metric whose name starts with one of its own gauge names, which all s
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fd_cudagraph_plugin.core import budget, outputs, process
+from fd_cudagraph_plugin.core import budget, outputs, process, seam
 from fd_cudagraph_plugin.core.dispatch import Dispatcher
 from fd_cudagraph_plugin.core.errors import human_bytes, plural
 from fd_cudagraph_plugin.core.graphs import GraphTable
@@ -202,6 +203,7 @@ class StatsFile:
         self.k = settings.num_speculative_tokens
         self.capture_sizes = list(settings.capture_sizes)
         self.max_num_seqs = settings.max_num_seqs
+        self.plan = plan_digest(settings)
         self._written: dict[str, tuple[Counter[int], dict[int, int]]] = {}
 
     def flush(self, backend: Any) -> None:
@@ -222,6 +224,8 @@ class StatsFile:
             "backend": key,
             "capture_sizes": self.capture_sizes,
             "max_num_seqs": self.max_num_seqs,
+            "plan": self.plan,
+            "role": backend.role,
         }
         if self.by_running:
             line["speculative_method"] = self.method
@@ -236,6 +240,61 @@ class StatsFile:
             self._failures.failed("FD_CUDAGRAPH_STATS_FILE", self.path, error)
             return
         self._written[key] = current
+
+
+def plan_digest(settings: Settings) -> str:
+    """What a stats record must share with a deployment for its traffic to stand for this one's
+    (``FD_CUDAGRAPH_FIT`` at start): the model, the TP size, the speculative settings, the
+    FastDeploy release and the capture list it derived."""
+    plan = [
+        settings.model_name,
+        settings.dtype,
+        settings.quantization,
+        settings.ranks.tp_size,
+        settings.speculative_method,
+        settings.num_speculative_tokens,
+        list(settings.capture_sizes),
+        seam.version(),
+    ]
+    return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
+
+
+#: The most of a stats file read back at start: its tail, where the newest lines are.
+MAX_RECORD_READ = 4 << 20
+
+
+def recorded_traffic(path: str, settings: Settings, role: str) -> dict[int, int]:
+    """The decode steps a stats file recorded for this plan and role (``plan_digest``), summed
+    per key: the traffic a first capture fits to. Untrusted: a line that is not this plan's, or
+    not well formed, costs only itself; an unreadable file is no traffic."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            handle.seek(max(0, size - MAX_RECORD_READ))
+            lines = handle.read(MAX_RECORD_READ).decode("utf-8", "replace").splitlines()
+    except (OSError, ValueError):
+        return {}
+    plan = plan_digest(settings)
+    field = "running_request_counts" if settings.mode.keyed_by_running else "decode_token_counts"
+    top = max(settings.capture_sizes, default=0)
+    traffic: Counter[int] = Counter()
+    for line in lines[1:] if size > MAX_RECORD_READ else lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        counts = record.get(field)
+        ours = (record.get("plan"), record.get("role"), record.get("rank"))
+        if ours != (plan, role, settings.tp_rank) or not isinstance(counts, dict):
+            continue
+        for key, steps in counts.items():
+            key_ok = key.isascii() and key.isdigit() and len(key) <= 6 and 0 < int(key) <= top
+            steps_ok = isinstance(steps, int) and not isinstance(steps, bool) and steps > 0
+            if key_ok and steps_ok and steps < 1 << 40:
+                traffic[int(key)] += steps
+    return dict(traffic)
 
 
 def flush_all(worker: WorkerProcess) -> None:

@@ -59,6 +59,7 @@ class SessionBackend(Registered, lifecycle.LifecycleBackend, Protocol):
     settings: Settings
     warmed: WarmedSizes
     role: str
+    capture_report: CaptureReport | None
 
     def expected(self) -> list[GraphEntry]:
         """The graphs this backend captures in a full session."""
@@ -71,6 +72,9 @@ class SessionBackend(Registered, lifecycle.LifecycleBackend, Protocol):
 
     def traffic_since_capture(self) -> dict[int, int]:
         """Decode steps served per key since its last capture session ended."""
+
+    def recorded_traffic(self) -> dict[int, int]:
+        """The decode steps its stats file recorded for this plan at earlier starts."""
 
     def adopt_sizes(self, sizes: tuple[int, ...]) -> None:
         """Capture and serve only ``sizes`` of its decode sizes until its graphs are released."""
@@ -482,7 +486,10 @@ class CaptureSession:
         by_capacity = {}
         for size in sorted(settings.capture_sizes, reverse=True):
             by_capacity[size // unit] = size
-        result = fit.fit(target.traffic_since_capture(), list(by_capacity), self.options.fit, unit)
+        traffic = target.traffic_since_capture()
+        if target.capture_report is None and sum(traffic.values()) < fit.MIN_STEPS:
+            traffic = target.recorded_traffic()  # a start: the same plan's earlier traffic
+        result = fit.fit(traffic, list(by_capacity), self.options.fit, unit)
         if result.why:
             self.report.fit = result.describe(settings.capture_sizes)
             return None
