@@ -190,6 +190,8 @@ class StatsFile:
     FastDeploy derived it, largest first. ``eager_above_largest`` holds the steps above its
     largest, run eagerly (by FastDeploy's ``GraphOptBackend``, mostly), in the same unit and
     apart from the others. Summing the counts of every line, both kinds, gives the histogram.
+    ``plan`` and ``role`` say whose traffic it is (``plan_digest``, ``target`` or ``draft``): what a
+    later start of the same plan fits its capture to (``recorded_traffic``).
     Written only at flushes (periodic, on clear, at exit); a failed write is logged once and
     retried with the next flush.
     """
