@@ -137,10 +137,12 @@ def test_stats_lines_of_several_ranks_and_backends_are_summed(tmp_path):
 
 
 class _CountingBackend:
-    """What ``StatsFile`` reads from a backend: its cumulative decode token counts."""
+    """What ``StatsFile`` reads from a backend: its cumulative decode token counts, and its
+    role (each line names it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "target") -> None:
         self.counts: Counter[int] = Counter()
+        self.role = role
 
     def observed_keys(self) -> dict[int, int]:
         return dict(self.counts)
@@ -155,7 +157,7 @@ def test_reads_the_stats_file_the_plugin_writes(tmp_path):
         Settings.from_fd_config(make_config(8)),
         OutputFailures(),
     )
-    target, draft = _CountingBackend(), _CountingBackend()
+    target, draft = _CountingBackend(), _CountingBackend("draft")
     target.counts.update({3: 2, 5: 1})
     writer.flush(target)
     target.counts.update({3: 1})
