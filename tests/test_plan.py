@@ -806,3 +806,132 @@ def test_saturation_under_ngram_is_checked_in_tokens_where_fastdeploy_does_not_s
     # develop scales ngram: its largest graph holds 192 tokens, nothing to warn of.
     assert main([*argv, "--fastdeploy-version", "develop"]) == 0
     assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+# ------------------------------------------------------- FD_CUDAGRAPH_FIT: what recaptures make
+
+
+@pytest.mark.parametrize(
+    ("value", "budget"),
+    [
+        ("graphs:2", "at most 2 graphs"),
+        (
+            "padding:10",
+            "with the fewest graphs whose padding on those steps is at most 10% above the whole "
+            "list's",
+        ),
+    ],
+)
+def test_fd_cudagraph_fit_says_recaptures_make_a_subset_of_the_decode_list(
+    value, budget, monkeypatch, capsys
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", value)
+    assert main(["plan", "--max-num-seqs", "8", "--fastdeploy-version", "2.6"]) == 0
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert note.startswith(
+        f"note: FD_CUDAGRAPH_FIT={value} (it fits the decode graphs the plugin captures in "
+        "dynamic mode (graph_opt_level 0), as here): each recapture after a lifecycle call"
+    )
+    assert f"served since the last capture least, {budget}, always with its largest size, 8" in (
+        note
+    )
+    assert (
+        "after fewer than 256 decode steps, the whole list (4 sizes). The first capture at start "
+        "makes the whole list, or fits to what FD_CUDAGRAPH_STATS_FILE recorded of this same plan "
+        "at earlier starts"
+    ) in note
+    document = _plan_json(["--max-num-seqs", "8", "--fastdeploy-version", "2.6"], capsys)
+    assert document["fit"] == {"option": f"FD_CUDAGRAPH_FIT={value}", "applies": True}
+    assert document["notes"][-1] == note.removeprefix("note: ")
+
+
+def test_fd_cudagraph_fit_under_mtp_counts_running_requests_and_fits_the_draft_too(
+    monkeypatch, capsys
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:2")
+    mtp = speculative_config(method="mtp", num_speculative_tokens=2)
+    argv = ["--max-num-seqs", "8", *mtp, "--fastdeploy-version", "develop", *("-tp", "2")]
+    (note,) = [n for n in _plan_json(argv, capsys)["notes"] if "FD_CUDAGRAPH_FIT" in n]
+    assert "always with its largest size, 24" in note
+    assert "Steps are counted by running requests, as real_bsz_to_captured_size keys them." in note
+    assert "The MTP draft model captures the same sizes." in note
+    assert "Rank 0's traffic decides for every rank." in note
+
+
+@pytest.mark.parametrize(
+    ("launch", "why"),
+    [
+        (graph_config(graph_opt_level=1), "this is static full mode"),
+        (graph_config(graph_opt_level=1, full_cuda_graph=False), "this is static split mode"),
+        (graph_config(cudagraph_only_prefill=True), "with cudagraph_only_prefill no decode graph"),
+        (graph_config(use_cudagraph=False), "use_cudagraph is off"),
+    ],
+    ids=["static full", "static split", "only prefill", "no graphs"],
+)
+def test_fd_cudagraph_fit_outside_dynamic_decode_graphs_changes_nothing(
+    launch, why, monkeypatch, capsys
+):
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:2")
+    document = _plan_json(["--max-num-seqs", "8", "--fastdeploy-version", "2.6", *launch], capsys)
+    assert document["fit"] == {"option": "FD_CUDAGRAPH_FIT=graphs:2", "applies": False}
+    assert document["notes"][-1].startswith(
+        f"FD_CUDAGRAPH_FIT=graphs:2 changes nothing here: {why}"
+    )
+    assert document["notes"][-1].endswith(
+        "it fits only the decode graphs the plugin captures in dynamic mode (graph_opt_level 0)."
+    )
+
+
+@pytest.mark.parametrize("value", [None, "off", ""])
+def test_without_fd_cudagraph_fit_the_plan_says_nothing_of_it(value, monkeypatch, capsys):
+    if value is not None:
+        monkeypatch.setenv("FD_CUDAGRAPH_FIT", value)
+    document = _plan_json(["--max-num-seqs", "8"], capsys)
+    assert document["fit"] is None
+    assert not any("FD_CUDAGRAPH_FIT" in note for note in document["notes"])
+
+
+@pytest.mark.parametrize("value", ["graphs:0", "padding:x", "many"])
+def test_a_bad_fd_cudagraph_fit_is_the_error_register_gives(value, monkeypatch, capsys):
+    from fd_cudagraph_plugin.core.options import PluginOptions
+
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", value)
+    with pytest.raises(ConfigError) as error:
+        PluginOptions.from_env()
+    assert main(["plan", "--max-num-seqs", "8"]) == 2
+    assert capsys.readouterr().err == f"fd-cudagraph: {error.value}\n"
+
+
+@pytest.mark.parametrize("release", FD_VERSIONS)
+@pytest.mark.parametrize(
+    "graph",
+    [
+        {},
+        {"graph_opt_level": 1},
+        {"graph_opt_level": 1, "full_cuda_graph": False},
+        {"cudagraph_only_prefill": True},
+    ],
+    ids=["dynamic", "static full", "static split", "only prefill"],
+)
+@pytest.mark.parametrize("speculative", [None, {"method": "mtp", "num_speculative_tokens": 1}])
+def test_the_plans_mode_is_the_one_the_plugins_settings_read_from_that_config(
+    release, graph, speculative
+):
+    """Where the fit applies is core.mode.Mode's answer, for the mode the plugin reads from the
+    stand-in's FDConfig of the same settings."""
+    _stub_version.use(release)
+    config = make_config(8, speculative=speculative, **graph)
+    settings = Settings.from_fd_config(config, fastdeploy_2_4=release == "2.4")
+    inputs = PlanInput(
+        max_num_seqs=8,
+        spec_method=(speculative or {}).get("method"),
+        num_speculative_tokens=(speculative or {}).get("num_speculative_tokens"),
+        graph_opt_level=graph.get("graph_opt_level", 0),
+        full_cuda_graph=graph.get("full_cuda_graph", True),
+        only_prefill=graph.get("cudagraph_only_prefill", False),
+        fastdeploy_version=release,
+    )
+    mode = derive_plan(inputs, use_fastdeploy=False).capture_mode
+    ours, theirs = mode, settings.mode
+    for name in ("kind", "only_prefill", "keyed_by_running", "decode_sizes", "fittable"):
+        assert getattr(ours, name) == getattr(theirs, name), name

@@ -898,3 +898,157 @@ def test_advice_that_pads_fewer_tokens_still_says_use(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["padded_tokens"] < result["baseline_padded_tokens"]
     assert result["advice"] == "use"
+
+
+# ------------------------------------------------------------ --fit: FD_CUDAGRAPH_FIT on a trace
+
+#: 320 decode steps, more than core.fit.MIN_STEPS: enough traffic for a fit.
+FIT_TRACE = [3] * 200 + [5] * 60 + [17] * 40 + [30] * 20
+
+
+def _fit_trace(tmp_path, counts=FIT_TRACE) -> str:
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(map(str, counts)) + "\n")
+    return str(trace)
+
+
+@pytest.mark.parametrize("budget", ["graphs:3", "padding:10"])
+def test_fit_prints_what_fd_cudagraph_fit_would_capture_of_fastdeploys_list(
+    budget, tmp_path, capsys
+):
+    """core.fit's own choice over FastDeploy's list (here the default for max_num_seqs 64), its
+    padding against the whole list on the same steps, and the line to set."""
+    from fd_cudagraph_plugin.core.fit import Budget, fit
+
+    argv = [_fit_trace(tmp_path), "--max-num-seqs", "64", "--fit", budget]
+    default = [64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
+    expected = fit(Counter(FIT_TRACE), default, Budget.parse(budget))
+    assert not expected.why and len(expected.sizes) < len(default)
+    document = _tune_json(argv, capsys)
+    assert document["baseline_capture_sizes"] == default
+    assert document["fit"] == {
+        "env": f"FD_CUDAGRAPH_FIT={budget}",
+        "capture_sizes": list(expected.sizes),
+        "fastdeploy_capture_sizes": default,
+        "steps": 320,
+        "padded_tokens": expected.padded,
+        "baseline_padded_tokens": expected.padded_default,
+        "kept_because": None,
+        "min_steps": 256,
+        "changes_nothing": None,
+    }
+    assert main(["tune", *argv]) == 0
+    out = capsys.readouterr().out
+    listing = ", ".join(map(str, expected.sizes))
+    assert (
+        f"\nfit      (FD_CUDAGRAPH_FIT={budget}): {len(expected.sizes)} of the default list's 11 "
+        f"sizes, its largest kept: {listing}\n"
+    ) in out
+    assert (
+        f"\npadded tokens: fit {expected.padded} ({expected.padded / 320:.3f} per step), default "
+        f"{expected.padded_default} ({expected.padded_default / 320:.3f} per step) on the same "
+        "320 steps up to 64 tokens"
+    ) in out
+    assert f"\nset: FD_CUDAGRAPH_FIT={budget} in the server's environment" in out
+    assert (
+        "; the first capture at start makes the whole list, or fits to what "
+        "FD_CUDAGRAPH_STATS_FILE recorded of the same plan at earlier starts\n"
+    ) in out
+    # Without --fit: nothing of it.
+    assert _tune_json(argv[:-2], capsys)["fit"] is None
+    assert main(["tune", *argv[:-2]]) == 0
+    assert "FD_CUDAGRAPH_FIT" not in capsys.readouterr().out
+
+
+def test_fit_with_three_graphs_keeps_the_largest_and_pads_to_the_next_size_kept(tmp_path, capsys):
+    """The numbers by hand: 3 of 64..1 for steps of 3, 5, 17 and 30 tokens are 64, 32, 8."""
+    argv = [_fit_trace(tmp_path), "--max-num-seqs", "64", "--fit", "graphs:3"]
+    fitted = _tune_json(argv, capsys)["fit"]
+    assert fitted["capture_sizes"] == [64, 32, 8]
+    # 200 x (8 - 3) + 60 x (8 - 5) + 40 x (32 - 17) + 20 x (32 - 30); the whole list pads 3 to 4,
+    # 5 to 8, 17 to 24 and 30 to 32.
+    assert fitted["padded_tokens"] == 1000 + 180 + 600 + 40 == 1820
+    assert fitted["baseline_padded_tokens"] == 200 + 180 + 280 + 40 == 700
+
+
+def test_fit_on_the_deployed_list_below_min_steps_says_fastdeploys_list_is_kept(tmp_path, capsys):
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text(STATS_LINE_WITH_DEPLOYMENT + "\n")
+    argv = [str(stats), "--fit", "graphs:3"]
+    fitted = _tune_json(argv, capsys)["fit"]
+    assert fitted["capture_sizes"] == fitted["fastdeploy_capture_sizes"] == [64, 32, 16, 8, 4, 2, 1]
+    assert fitted["kept_because"] == "58 steps, fewer than 256"
+    assert fitted["padded_tokens"] == fitted["baseline_padded_tokens"] == 164
+    assert main(["tune", *argv]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "\nfit      (FD_CUDAGRAPH_FIT=graphs:3): the deployed list's 7 sizes, unchanged (58 steps, "
+        "fewer than 256: too little traffic to fit to): 64, 32, 16, 8, 4, 2, 1\n"
+    ) in out
+    assert "\nset: FD_CUDAGRAPH_FIT=graphs:3 in the server's environment" in out
+
+
+#: The stats line of docs/tools.md: 59 steps, a deployed list and max_num_seqs.
+STATS_LINE_WITH_DEPLOYMENT = json.dumps(
+    {
+        "format": STATS_FORMAT,
+        "time": 1767225600.5,
+        "rank": 0,
+        "backend": "7f3a2c",
+        "decode_token_counts": {"3": 40, "5": 10, "17": 6, "30": 2, "80": 1},
+        "capture_sizes": [64, 32, 16, 8, 4, 2, 1],
+        "max_num_seqs": 64,
+    }
+)
+
+
+def test_fit_under_speculative_decoding_fits_running_requests_each_k_plus_1_tokens(
+    tmp_path, capsys
+):
+    """Keys are running requests and a size holds size // (k + 1) of them, as the session fits
+    (session.CaptureSession._fit): candidates 8, 4, 2, 1 requests of FastDeploy's 24, 12, 6, 3
+    tokens, each padded request 3 tokens."""
+    from fd_cudagraph_plugin.core.fit import Budget, fit
+
+    counts = [1] * 200 + [3] * 100 + [6] * 30
+    argv = [_fit_trace(tmp_path, counts), "--max-num-seqs", "8", "--fit", "graphs:2"]
+    argv += speculative_config(method="mtp", num_speculative_tokens=2)
+    expected = fit(Counter(counts), [24 // 3, 12 // 3, 6 // 3, 3 // 3], Budget(graphs=2), 3)
+    fitted = _tune_json(argv, capsys)["fit"]
+    assert fitted["fastdeploy_capture_sizes"] == [8, 4, 2, 1]
+    assert fitted["capture_sizes"] == list(expected.sizes) == [8, 1]
+    # 100 steps of 3 requests and 30 of 6 pad to 8: (5 x 100 + 2 x 30) x 3 tokens.
+    assert fitted["padded_tokens"] == expected.padded == (500 + 60) * 3
+    assert main(["tune", *argv]) == 0
+    assert "on the same 330 steps up to 8 running requests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("launch", "said"),
+    [
+        (graph_config(graph_opt_level=1), "this is static full mode"),
+        (graph_config(graph_opt_level=1, full_cuda_graph=False), "this is static split mode"),
+    ],
+    ids=["static full", "static split"],
+)
+def test_fit_outside_dynamic_mode_says_the_option_changes_nothing(launch, said, tmp_path, capsys):
+    argv = [_fit_trace(tmp_path), "--max-num-seqs", "64", "--fit", "graphs:3", *launch]
+    fitted = _tune_json(argv, capsys)["fit"]
+    assert said in fitted["changes_nothing"]
+    assert fitted["capture_sizes"] == fitted["fastdeploy_capture_sizes"]
+    assert main(["tune", *argv]) == 0
+    out = capsys.readouterr().out
+    assert f"fit      (FD_CUDAGRAPH_FIT=graphs:3): changes nothing for this launch: {said}" in out
+    assert "\nset: FD_CUDAGRAPH_FIT" not in out
+
+
+@pytest.mark.parametrize("value", ["graphs:0", "graphs:x", "padding:2000", "8", "-3", "fit"])
+def test_a_bad_fit_is_one_line_naming_the_option_and_its_forms(value, capsys):
+    from fd_cudagraph_plugin.tools.wording import shown
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tune", "-", "--fit", value])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("fd-cudagraph tune: argument --fit: must be off, graphs:N")
+    assert "padding:P" in line and f"; got {shown(value)}. See fd-cudagraph tune --help." in line

@@ -20,6 +20,8 @@ import sys
 from typing import Any, NoReturn
 
 from fd_cudagraph_plugin.core.errors import CudaGraphPluginError
+from fd_cudagraph_plugin.core.fit import Budget
+from fd_cudagraph_plugin.core.options import read_option
 from fd_cudagraph_plugin.tools import launch, paddle_import
 from fd_cudagraph_plugin.tools.capture_rules import (
     DECODE_CAP,
@@ -102,6 +104,14 @@ class Sizes:
         return tuple(values)
 
 
+def _fit(text: str) -> Budget | None:
+    """``--fit``: FD_CUDAGRAPH_FIT's value, read as the option reads it (``Budget.parse``)."""
+    try:
+        return Budget.parse(text.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}; got {shown(text)}") from None
+
+
 def _version(text: str) -> str:
     try:
         rules_for_version(text)
@@ -128,7 +138,9 @@ def _json(document: dict) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from fd_cudagraph_plugin.tools.plan import derive_plan, format_plan
 
-    plan = derive_plan(launch.read(args.launch, args.fastdeploy_version))
+    # As register() reads it: a bad value is the error a worker would start with.
+    fit = read_option("FD_CUDAGRAPH_FIT")
+    plan = derive_plan(launch.read(args.launch, args.fastdeploy_version), fit=fit)
     paddle_import.check()
     print(_json(plan.to_json()) if args.json else format_plan(plan))
     return 0
@@ -185,7 +197,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "tune",
         allow_abbrev=False,
         usage="fd-cudagraph tune TRACE [TRACE ...] [--max-graphs N] [--max-size N] "
-        "[--fastdeploy-version V] [--json] [FASTDEPLOY LAUNCH LINE ...]",
+        "[--fit graphs:N|padding:P] [--fastdeploy-version V] [--json] [FASTDEPLOY LAUNCH LINE ...]",
         help="choose the capture sizes that pad a recorded decode trace least",
         description="Choose at most N capture sizes with the fewest padded tokens over a decode "
         "trace (exact), and compare them with the deployed list (cudagraph_capture_sizes of the "
@@ -216,6 +228,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="largest capture size (default: largest observed count); steps above it run "
         "eagerly and are left out",
+    )
+    tune.add_argument(
+        "--fit",
+        type=_fit,
+        default=None,
+        metavar="graphs:N|padding:P",
+        help="also print what FD_CUDAGRAPH_FIT with this value would capture at a recapture after "
+        "this traffic: the subset of FastDeploy's list (the deployed one, else the default) that "
+        "pads these steps least, at most N graphs or within P percent more padded tokens, its "
+        "padding against the whole list, and the line to set (default: off, nothing printed)",
     )
     _add_release(tune)
     tune.add_argument("--json", action="store_true", help="print JSON")

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from fd_cudagraph_plugin.core.errors import ConfigError
+from fd_cudagraph_plugin.core.fit import MIN_STEPS, Budget
+from fd_cudagraph_plugin.core.mode import Mode
 from fd_cudagraph_plugin.core.sizes import padding_table, table_disagreements
 from fd_cudagraph_plugin.tools import capture_rules
 from fd_cudagraph_plugin.tools.capture_rules import (
@@ -104,6 +107,23 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: What makes the deployment serve steps eagerly that a graph could serve.
     warnings: list[str] = field(default_factory=list)
+    #: The plugin's own mode for these lists (``core.mode.Mode``): which graphs a fit may shrink.
+    capture_mode: Mode | None = field(default=None, repr=False, compare=False)
+    #: ``FD_CUDAGRAPH_FIT`` as the environment set it (None: off), said in a note.
+    fit: Budget | None = None
+
+    @property
+    def fit_scope(self) -> str:
+        """Why ``FD_CUDAGRAPH_FIT`` changes nothing in this plan (``Mode.fittable`` is false:
+        not dynamic mode's decode graphs); empty where it may capture fewer of them."""
+        mode = self.capture_mode
+        if not self.use_cudagraph:
+            return "use_cudagraph is off, so FastDeploy captures no graph"
+        if mode is None or mode.fittable:
+            return ""
+        if mode.only_prefill:
+            return "with cudagraph_only_prefill no decode graph is captured"
+        return f"this is {self.mode} mode"
 
     @property
     def total_graphs(self) -> int:
@@ -158,6 +178,9 @@ class Plan:
                 for b in self.backends
             ],
             "total_graphs": self.total_graphs,
+            "fit": None
+            if self.fit is None
+            else {"option": f"FD_CUDAGRAPH_FIT={self.fit}", "applies": not self.fit_scope},
             "warnings": self.warnings,
             "notes": self.notes,
         }
@@ -394,11 +417,14 @@ def _source(
     return _Source(copy, rules, False, release.draft_model_use_cudagraph, [])
 
 
-def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
+def derive_plan(
+    inputs: PlanInput, *, use_fastdeploy: bool = True, fit: Budget | None = None
+) -> Plan:
     """What FastDeploy's ``FDConfig`` computes for these settings, plus what is captured.
 
     ``use_fastdeploy=False`` uses the project's copy of the rules even where FastDeploy is
-    importable (the tests compare the two).
+    importable (the tests compare the two). ``fit``: ``FD_CUDAGRAPH_FIT`` (read by the command
+    with ``read_option``), whose effect on these lists a note says.
     """
     installed = installed_fastdeploy() if use_fastdeploy else None
     release = release_rules(inputs.fastdeploy_version, installed)
@@ -491,7 +517,20 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
             f"draft_model_use_cudagraph is false (FastDeploy {release.name}'s default is "
             f"{default}): the MTP draft model runs eagerly."
         )
-    return Plan(
+    capture_mode = Mode.of(
+        SimpleNamespace(
+            graph_opt_level=derived.graph_opt_level,
+            full_cuda_graph=inputs.full_cuda_graph,
+            only_prefill=derived.only_prefill,
+            fastdeploy_2_4=not release.has_prefill_list,
+            speculative_method=s.method,
+            capture_sizes=tuple(sorted(set(decode), reverse=True)),
+            prefill_sizes=tuple(sorted({size for size in prefill or () if size}, reverse=True)),
+            decode_table=tuple(table),
+            bsz_table=_bsz_table(padding_running),
+        )
+    )
+    plan = Plan(
         inputs=inputs,
         release=release.name,
         rules=source.rules,
@@ -513,6 +552,54 @@ def derive_plan(inputs: PlanInput, *, use_fastdeploy: bool = True) -> Plan:
         stale_padding=stale,
         notes=notes,
         warnings=warnings,
+        capture_mode=capture_mode,
+        fit=fit,
+    )
+    if fit is not None:
+        notes.append(_fit_note(plan, fit, len(backends)))
+    return plan
+
+
+def _bsz_table(padding_running: dict[int, int]) -> tuple[int, ...]:
+    """The plugin's ``Settings.bsz_table`` from the plan's running-request padding."""
+    table = [0] * (max(padding_running, default=-1) + 1)
+    for bsz, size in padding_running.items():
+        table[bsz] = size
+    return tuple(table)
+
+
+def _fit_note(plan: Plan, fit: Budget, backends: int) -> str:
+    """What ``FD_CUDAGRAPH_FIT`` does with this plan's decode list (``core/fit.py``): a subset
+    of it at each recapture after a lifecycle call, in dynamic mode's decode graphs only."""
+    option = f"FD_CUDAGRAPH_FIT={fit}"
+    where = "the decode graphs the plugin captures in dynamic mode (graph_opt_level 0)"
+    if plan.fit_scope:
+        return f"{option} changes nothing here: {plan.fit_scope}, and it fits only {where}."
+    decode = sorted({size for size in plan.capture_sizes if size}, reverse=True)
+    budget = (
+        f"at most {graphs_phrase(fit.graphs)}"
+        if fit.graphs
+        else f"with the fewest graphs whose padding on those steps is at most {fit.padding:g}% "
+        "above the whole list's"
+    )
+    keyed = (
+        " Steps are counted by running requests, as real_bsz_to_captured_size keys them."
+        if plan.capture_mode is not None and plan.capture_mode.keyed_by_running
+        else ""
+    )
+    draft = " The MTP draft model captures the same sizes." if backends > 1 else ""
+    ranks = (
+        " Rank 0's traffic decides for every rank." if plan.inputs.tensor_parallel_size > 1 else ""
+    )
+    return (
+        f"{option} (it fits {where}, as here): each recapture after a lifecycle call (a wake-up, "
+        "a weight update) captures the subset of the decode list above that pads the decode "
+        f"steps served since the last capture least, {budget}, always with its largest size, "
+        f"{decode[0]} (a step whose size is left out pads to the next size kept: none runs "
+        f"eagerly that had a graph); after fewer than {MIN_STEPS} decode steps, the whole list "
+        f"({plural(len(decode), 'size')}). The first capture at start makes the whole list, or "
+        "fits to what FD_CUDAGRAPH_STATS_FILE recorded of this same plan at earlier starts where "
+        f"it holds {MIN_STEPS} steps or more.{keyed}{draft}{ranks}"
     )
 
 

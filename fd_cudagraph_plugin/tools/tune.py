@@ -35,6 +35,9 @@ by divide and conquer in O(n log n) instead of O(n^2): still exact, in integers,
 
 Work is bounded whatever the input: counts above what FastDeploy could ever graph are only
 tallied, so memory holds at most a few thousand distinct counts and a line is read at a time.
+
+``--fit graphs:N|padding:P`` also prints what ``FD_CUDAGRAPH_FIT`` would capture at a recapture
+after this traffic: ``core.fit.fit`` itself over the baseline (FastDeploy's list), never a copy.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fd_cudagraph_plugin.core import fit as fitting
 from fd_cudagraph_plugin.core.errors import ConfigError
 from fd_cudagraph_plugin.core.sizes import padding_table
 from fd_cudagraph_plugin.tools.capture_rules import (
@@ -142,6 +146,69 @@ def _next_layer(
 
 
 @dataclass(frozen=True)
+class FitResult:
+    """What ``FD_CUDAGRAPH_FIT`` would capture at a recapture after the trace's traffic: the
+    subset of FastDeploy's list (the baseline) that ``core.fit.fit`` chooses, in tune's units."""
+
+    #: The option's value, as ``FD_CUDAGRAPH_FIT`` takes it (``graphs:8``).
+    budget: str
+    #: FastDeploy's list (the candidates), and the sizes the fit keeps: all of them where
+    #: ``kept_because`` or ``changes_nothing`` says why.
+    candidates: list[int]
+    capture_sizes: list[int]
+    #: The steps fitted to (those up to the largest candidate) and the padded tokens on them.
+    steps: int
+    padded_tokens: int
+    baseline_padded_tokens: int
+    #: Why FastDeploy's whole list is captured (``core.fit``: too few steps), else "".
+    kept_because: str = ""
+    #: Why the option changes nothing for this launch (not dynamic mode's decode graphs), else "".
+    changes_nothing: str = ""
+
+    @property
+    def env(self) -> str:
+        return f"FD_CUDAGRAPH_FIT={self.budget}"
+
+    def to_json(self) -> dict:
+        return {
+            "env": self.env,
+            "capture_sizes": self.capture_sizes,
+            "fastdeploy_capture_sizes": self.candidates,
+            "steps": self.steps,
+            "padded_tokens": self.padded_tokens,
+            "baseline_padded_tokens": self.baseline_padded_tokens,
+            "kept_because": self.kept_because or None,
+            "min_steps": fitting.MIN_STEPS,
+            "changes_nothing": self.changes_nothing or None,
+        }
+
+
+def fit_to_traffic(
+    histogram: Mapping[int, int],
+    baseline: list[int],
+    budget: fitting.Budget,
+    k: int,
+    changes_nothing: str = "",
+) -> FitResult:
+    """``core.fit.fit`` over FastDeploy's list ``baseline`` (tokens, or running requests of
+    k + 1 tokens each) on the trace's steps, as a recapture after that traffic would run it."""
+    unit = k + 1
+    steps = {n: count for n, count in histogram.items() if n > 0 and count > 0}
+    fitted = fitting.fit(steps, baseline, budget, unit)
+    sizes = baseline if changes_nothing else list(fitted.sizes)
+    return FitResult(
+        budget=str(budget),
+        candidates=list(baseline),
+        capture_sizes=sizes,
+        steps=fitted.steps,
+        padded_tokens=fitted.padded_default if changes_nothing else fitted.padded,
+        baseline_padded_tokens=fitted.padded_default,
+        kept_because="" if changes_nothing else fitted.why,
+        changes_nothing=changes_nothing,
+    )
+
+
+@dataclass(frozen=True)
 class TuneResult:
     steps: int
     max_size: int
@@ -183,6 +250,8 @@ class TuneResult:
     warnings: list[str] = field(default_factory=list)
     #: The launch flags that change nothing captured, named once.
     launch_notes: list[str] = field(default_factory=list)
+    #: What ``--fit`` asked of FD_CUDAGRAPH_FIT on this traffic (None: not asked).
+    fit: FitResult | None = None
 
     @property
     def graph_optimization_config(self) -> dict[str, list[int]]:
@@ -237,6 +306,7 @@ class TuneResult:
             if self.cap_cost is None
             else {"graphs": self.cap_cost[0], "padded_tokens": self.cap_cost[1]},
             "advice": "keep" if self.gains_nothing else "use",
+            "fit": None if self.fit is None else self.fit.to_json(),
             "warnings": self.warnings,
             "notes": [*self.notes, *self.launch_notes],
         }
@@ -309,6 +379,7 @@ def tune(
     fastdeploy_version: str | None = None,
     deployment: Deployment | None = None,
     launch: PlanInput | None = None,
+    fit: fitting.Budget | None = None,
 ) -> TuneResult:
     """Choose at most ``max_graphs`` capture sizes for a histogram ``{count: steps}``.
 
@@ -322,7 +393,8 @@ def tune(
     develop). ``launch`` is the rest of the deployment's launch line (tensor and expert
     parallelism, the splitwise role, ...): every list here is what FastDeploy keeps of it for
     that launch (``filter_capture_size``), computed by ``plan``'s derivation, and a tuned list
-    that launch would cut is refused.
+    that launch would cut is refused. ``fit`` (``--fit``): what ``FD_CUDAGRAPH_FIT`` with that
+    budget would capture of the baseline on this traffic (``fit_to_traffic``).
     """
     deployment = deployment or Deployment()
     if max_graphs is not None:
@@ -440,6 +512,9 @@ def tune(
             *(target.warnings(sizes) if seqs is not None else []),
         ],
         launch_notes=target.launch_notes,
+        fit=None
+        if fit is None
+        else fit_to_traffic(histogram, list(baseline), fit, k, target.fit_scope),
     )
 
 
@@ -484,6 +559,8 @@ class _Target:
         )
         plan = derive_plan(self.launch)
         self.launch_notes = [n for n in plan.notes if "change nothing FastDeploy" in n]
+        #: Why FD_CUDAGRAPH_FIT changes nothing in this launch's mode, or "".
+        self.fit_scope = plan.fit_scope
         tp = self.launch.tensor_parallel_size
         self.divisor = tp // math.gcd(tp, k + 1) if plan.filtered_for_tp else 1
         role = self.launch.splitwise_role
@@ -744,9 +821,52 @@ def format_result(result: TuneResult) -> str:
         )
     else:
         lines.append(f"use: --graph-optimization-config {config}")
+    if result.fit is not None:
+        lines.extend(_fit_lines(result.fit, name, noun))
     lines.extend(f"warning: {warning}" for warning in result.warnings)
     lines.extend(f"note: {note}" for note in [*result.notes, *result.launch_notes])
     return "\n".join(lines)
+
+
+def _fit_lines(fit: FitResult, name: str, noun: str) -> list[str]:
+    """What FD_CUDAGRAPH_FIT would capture after this traffic, its padding, the line to set."""
+    head = f"fit      ({fit.env})"
+    whole = f"the {name} list's {plural(len(fit.candidates), 'size')}"
+    if fit.changes_nothing:
+        return [
+            f"{head}: changes nothing for this launch: {fit.changes_nothing}, and the option "
+            "fits only the decode graphs the plugin captures in dynamic mode"
+        ]
+    listing = ", ".join(map(str, fit.capture_sizes))
+    if fit.kept_because:
+        few = fit.steps < fitting.MIN_STEPS
+        lines = [
+            f"{head}: {whole}, unchanged ({fit.kept_because}"
+            f"{': too little traffic to fit to' if few else ''}): {listing}"
+        ]
+    else:
+        per_step = fit.steps or 1
+        extra = fit.padded_tokens - fit.baseline_padded_tokens
+        if not extra:
+            change = "the same"
+        elif fit.baseline_padded_tokens:
+            change = f"{extra / fit.baseline_padded_tokens:.1%} more"
+        else:
+            change = f"the {name} list pads none"
+        lines = [
+            f"{head}: {len(fit.capture_sizes)} of {whole}, its largest kept: {listing}",
+            f"padded tokens: fit {fit.padded_tokens} ({fit.padded_tokens / per_step:.3f} per "
+            f"step), {name} {fit.baseline_padded_tokens} "
+            f"({fit.baseline_padded_tokens / per_step:.3f} per step) on the same "
+            f"{plural(fit.steps, 'step')} up to {plural(max(fit.candidates), noun)}, {change}",
+        ]
+    lines.append(
+        f"set: {fit.env} in the server's environment: each recapture after a lifecycle call then "
+        "captures the sizes fitted to the decode steps served since the capture before; the "
+        "first capture at start makes the whole list, or fits to what FD_CUDAGRAPH_STATS_FILE "
+        "recorded of the same plan at earlier starts"
+    )
+    return lines
 
 
 #: Widest bar of the traffic histogram.
@@ -788,6 +908,7 @@ def run_tune(args: Any) -> TuneResult:
         fastdeploy_version=args.fastdeploy_version,
         deployment=_deployment(launch, histogram),
         launch=launch,
+        fit=getattr(args, "fit", None),
     )
 
 
