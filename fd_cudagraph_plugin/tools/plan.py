@@ -527,7 +527,7 @@ def derive_plan(
             capture_sizes=tuple(sorted(set(decode), reverse=True)),
             prefill_sizes=tuple(sorted({size for size in prefill or () if size}, reverse=True)),
             decode_table=tuple(table),
-            bsz_table=_bsz_table(padding_running),
+            bsz_table=tuple(padding_running.values()),  # what decides keyed_by_running
         )
     )
     plan = Plan(
@@ -560,14 +560,6 @@ def derive_plan(
     return plan
 
 
-def _bsz_table(padding_running: dict[int, int]) -> tuple[int, ...]:
-    """The plugin's ``Settings.bsz_table`` from the plan's running-request padding."""
-    table = [0] * (max(padding_running, default=-1) + 1)
-    for bsz, size in padding_running.items():
-        table[bsz] = size
-    return tuple(table)
-
-
 def _fit_note(plan: Plan, fit: Budget, backends: int) -> str:
     """What ``FD_CUDAGRAPH_FIT`` does with this plan's decode list (``core/fit.py``): a subset
     of it at each recapture after a lifecycle call, in dynamic mode's decode graphs only."""
@@ -582,15 +574,10 @@ def _fit_note(plan: Plan, fit: Budget, backends: int) -> str:
         else f"with the fewest graphs whose padding on those steps is at most {fit.padding:g}% "
         "above the whole list's"
     )
-    keyed = (
-        " Steps are counted by running requests, as real_bsz_to_captured_size keys them."
-        if plan.capture_mode is not None and plan.capture_mode.keyed_by_running
-        else ""
-    )
+    keyed = plan.capture_mode is not None and plan.capture_mode.keyed_by_running
+    keyed_text = " Steps are counted by running requests." if keyed else ""
     draft = " The MTP draft model captures the same sizes." if backends > 1 else ""
-    ranks = (
-        " Rank 0's traffic decides for every rank." if plan.inputs.tensor_parallel_size > 1 else ""
-    )
+    ranks = " Rank 0's traffic decides." if plan.inputs.tensor_parallel_size > 1 else ""
     return (
         f"{option} (it fits {where}, as here): each recapture after a lifecycle call (a wake-up, "
         "a weight update) captures the subset of the decode list above that pads the decode "
@@ -599,7 +586,7 @@ def _fit_note(plan: Plan, fit: Budget, backends: int) -> str:
         f"eagerly that had a graph); after fewer than {MIN_STEPS} decode steps, the whole list "
         f"({plural(len(decode), 'size')}). The first capture at start makes the whole list, or "
         "fits to what FD_CUDAGRAPH_STATS_FILE recorded of this same plan at earlier starts where "
-        f"it holds {MIN_STEPS} steps or more.{keyed}{draft}{ranks}"
+        f"it holds {MIN_STEPS} steps or more.{keyed_text}{draft}{ranks}"
     )
 
 
