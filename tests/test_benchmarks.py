@@ -151,6 +151,32 @@ def test_gpu_summary_reads_a_recapture_line_as_one():
     )
     assert "goal NOT met" in text and "weight_update 0.6 (<= 0.4)" in text
     assert "stale after clear plugin 0" in text and "diff vs eager 0.0" in text
+    # With --traffic and --fit: each arm's ratio to FastDeploy's with its spread, a fit arm's
+    # sizes and padded tokens against FastDeploy's list.
+    events = ["first", "weight_update/skewed", "wake_up/skewed"]
+    spread = {"median": 0.3, "min": 0.2, "max": 0.35}
+    padded = {"padded_tokens_served": {"ratio": 1.06}, "padded_tokens_held_out": {"ratio": 1.2}}
+    text = summary.line(
+        {
+            "tag": "recapture",
+            "errors": [],
+            "events": events,
+            "stale_graphs_after_clear": {"plugin": {}},
+            "ratio_plugin_over_fd": "skipped: no",
+            "ratio_over_fd": {
+                "plugin_fit_padding10": {**{e: spread for e in events}, "meets_goal": True}
+            },
+            "fitted": {
+                "plugin_fit_padding10": {
+                    e: {"sizes": [512, 64, 32], **padded, "within_budget": True} for e in events[1:]
+                }
+            },
+        }
+    )
+    assert (
+        "plugin_fit_padding10/fd weight_update/skewed 0.3 (0.2..0.35) 3 sizes, padded x1.06 "
+        "(held-out x1.2, in budget True)" in text
+    ) and "goal met" in text
 
 
 @pytest.mark.parametrize("parts", [["bogus"], ["setup", "bogus"], ["main pair"]], ids=" ".join)
@@ -362,6 +388,14 @@ def test_plugin_surface_needs_no_torch_and_every_call_works_on_the_plugin(
     import logging
 
     assert logging.getLogger(surface.LOGGER) is logging.getLogger("fd_cudagraph_plugin")
+    # bench_recapture runs plugin arms with other FD_CUDAGRAPH_FIT one after another.
+    from fd_cudagraph_plugin.core import process
+
+    assert process.current().options.fit is None
+    monkeypatch.setitem(os.environ, "FD_CUDAGRAPH_FIT", "graphs:8")  # read once: unseen
+    assert process.current().options.fit is None
+    call("forget_options")
+    assert str(process.current().options.fit) == "graphs:8"
     public = {
         name
         for name, value in vars(surface).items()

@@ -33,9 +33,9 @@ class Platform:
 
 
 def plain_capture_model(runner) -> None:
-    """FastDeploy's decode capture loop: every size, largest first; per size the target model's
-    dummy step, then the draft's (MTP)."""
-    for size in sorted(runner.fd_config.graph_opt_config.cudagraph_capture_sizes, reverse=True):
+    """FastDeploy's decode capture loop: every size of ``runner.cudagraph_capture_sizes``, largest
+    first; per size the target model's dummy step, then the draft's (MTP)."""
+    for size in sorted(runner.cudagraph_capture_sizes, reverse=True):
         for step in runner.steps:
             step(size)
 
@@ -136,6 +136,9 @@ class GPUModelRunner:
         self, fd_config, steps, model=None, draft_model=None, share_inputs=None, draft_inputs=None
     ):
         self.fd_config = fd_config
+        # Kept ascending, as FastDeploy keeps it; the plugin's FD_CUDAGRAPH_FIT has the loop
+        # visit its fitted sizes by setting it for one capture_model() (seam.loop_visits).
+        self.cudagraph_capture_sizes = sorted(fd_config.graph_opt_config.cudagraph_capture_sizes)
         self.steps = list(steps)  # callables step(size): one decode dummy run of one model
         self.model = model
         self.proposer = None if draft_model is None else Proposer(draft_model, draft_inputs)

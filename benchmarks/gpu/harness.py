@@ -171,13 +171,15 @@ def plugin_facts() -> dict:
 plugin_figures = plugin_surface.figures
 
 
-def set_plugin_env(pool=None, self_check=None, memory_report=None) -> None:
-    """The plugin's options for this process (read at construction and per capture session)."""
+def set_plugin_env(pool=None, self_check=None, memory_report=None, fit=None) -> None:
+    """The plugin's options for this process (read once per process: a change after the plugin
+    read them needs ``plugin_surface.forget_options()``)."""
     os.environ["FD_CUDAGRAPH_RUNTIME"] = "cuda"
     for key, value in (
         ("POOL", pool),
         ("SELF_CHECK", self_check),
         ("MEMORY_REPORT", memory_report),
+        ("FIT", fit),
     ):
         if value:
             os.environ["FD_CUDAGRAPH_" + key] = value

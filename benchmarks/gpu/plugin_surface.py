@@ -246,6 +246,14 @@ def margin(total: int) -> int:
     return budget.margin(total)
 
 
+def forget_options() -> None:
+    """Read the ``FD_CUDAGRAPH_*`` options again at their next use (a worker reads them once):
+    for a part that runs plugin backends with other options one after another in one process."""
+    from fd_cudagraph_plugin.core import process
+
+    process.current().forget_options()
+
+
 def is_wrapped(method) -> bool:
     return hasattr(method, WRAPPED)
 

@@ -93,8 +93,9 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
   budget)
     run bench_budget.py budget
     ;;
-  recapture)
-    run bench_recapture.py recapture --rounds 5
+  recapture)  # FastDeploy's default and 1 warm-up, the plugin, FD_CUDAGRAPH_FIT; two traces
+    run bench_recapture.py recapture --rounds 5 --max-seconds 480 --fastdeploy-warmups 1 \
+      --fit graphs:8,padding:10 --traffic skewed,rollout
     ;;
   wakeup)  # each backend in its own process: a stale graph may fault and lose the CUDA context
     run bench_wakeup.py wakeup_fd_nan --backend fd

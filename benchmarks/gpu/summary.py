@@ -95,9 +95,19 @@ def _ctime_run(j, bits):  # bench_ctime.py
         )
 
 
+def _fit(f):
+    """A fit arm's recapture: its sizes and padded tokens against FastDeploy's list."""
+    if not f or "padded_tokens_served" not in f:
+        return ""
+    return (
+        f" {len(f['sizes'])} sizes, padded x{g(f, 'padded_tokens_served', 'ratio')} (held-out "
+        f"x{g(f, 'padded_tokens_held_out', 'ratio')}, in budget {f.get('within_budget')})"
+    )
+
+
 def _recapture_run(j, bits):  # bench_recapture.py
     per = j.get("ms_per_graph") or {}
-    events = ("first", "weight_update", "wake_up")
+    events = j.get("events") or ("first", "weight_update", "wake_up")
     bits.append(
         "ms/graph "
         + "; ".join(
@@ -114,13 +124,27 @@ def _recapture_run(j, bits):  # bench_recapture.py
         )
     else:
         bits.append(f"plugin/fd: {short(ratio, 80)}")
+    arms = j.get("ratio_over_fd")
+    for arm, r in (arms if isinstance(arms, dict) else {}).items():
+        if arm == "plugin":
+            continue  # above
+        fitted = g(j, "fitted", arm) or {}
+        bits.append(
+            f"{arm}/fd "
+            + ", ".join(
+                f"{e} {g(r, e, 'median')} ({g(r, e, 'min')}..{g(r, e, 'max')})"
+                + _fit(fitted.get(e))
+                for e in events[1:]
+            )
+            + f": goal {'met' if r.get('meets_goal') else 'NOT met'}"
+        )
     fwd = j.get("forwards_per_graph") or {}
     bits.append(
         "warm-ups/graph (target) "
         + ", ".join(
             f"{k} " + "/".join(str(g(fwd, k, e, "target", "eager")) for e in events) for k in fwd
         )
-        + f"; plugin's report {g(j, 'plugin_report_warmups', 'weight_update')}"
+        + f"; plugin's report {g(j, 'plugin_report_warmups', events[1])}"
     )
     stale = j.get("stale_graphs_after_clear") or {}
     bits.append(
