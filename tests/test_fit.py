@@ -160,8 +160,10 @@ def test_a_recapture_after_a_weight_update_captures_the_sizes_the_traffic_used(
         fitted.sizes
     )
     assert runner.cudagraph_capture_sizes == sorted(DEFAULT)  # FastDeploy's list put back
-    said = "3 of FastDeploy's 11 decode sizes, rank 0's fit to its traffic: "
-    assert any(said + ", ".join(map(str, fitted.sizes)) in r.getMessage() for r in caplog.records)
+    said = f"decode sizes {', '.join(map(str, fitted.sizes))}: 3 of FastDeploy's 11 fitted to the "
+    said += f"360 decode steps before, {fitted.padded} padded tokens on them against "
+    said += f"{fitted.padded_default} with all 11"
+    assert any(said in r.getMessage() for r in caplog.records)
     before = backend.stats()
     later = {3: 5, 5: 5, 9: 2, 64: 1}
     _served(runner, target, later)  # every step pads to a size kept, never eager

@@ -75,8 +75,9 @@ class Fitted:
         if self.why:
             return f"FastDeploy's {len(default)} sizes ({self.why})"
         return (
-            f"{len(self.sizes)} of FastDeploy's {len(default)} sizes fitted to {self.steps} "
-            f"steps: {self.padded} padded tokens against {self.padded_default} with all of them"
+            f"{len(self.sizes)} of FastDeploy's {len(default)} fitted to the {self.steps} decode "
+            f"steps before, {self.padded} padded tokens on them against {self.padded_default} "
+            f"with all {len(default)}"
         )
 
 

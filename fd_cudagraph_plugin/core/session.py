@@ -516,13 +516,14 @@ class CaptureSession:
         for member in members:
             member.adopt_sizes(sizes)
         self.fitted_sizes = self.report.fit_sizes = sizes
-        own = f" (this rank's traffic: {list(mine.sizes)})" if mine and mine.sizes != sizes else ""
         default = members[0].settings.capture_sizes
-        self.report.fit = (
-            f"{len(sizes)} of FastDeploy's {len(default)} decode sizes, rank 0's fit to its "
-            f"traffic: {', '.join(map(str, sizes))}{own}"
-            + (f"; {mine.describe(default)}" if mine and mine.sizes == sizes else "")
-        )
+        if mine is not None and mine.sizes == sizes:
+            source = mine.describe(default)
+        else:  # another rank: rank 0's list, whatever its own steps fit
+            source = "rank 0's fit" + (
+                f"; this rank's steps fit {list(mine.sizes)}" if mine else ""
+            )
+        self.report.fit = f"decode sizes {', '.join(map(str, sizes))}: {source}"
 
     def _register(self) -> None:
         """Register the all-reduce buffers of every graph of the session at once (one collective
