@@ -58,6 +58,7 @@ TWO_RANKS = (
     "static-full",
     *(f"{fault}@{rank}" for fault in FAULTS for rank in (0, 1) if fault != "never-joins"),
     "moved-on-one-rank@1",
+    "fit-rank-zero-decides",
     "moved-between-steps-on-one-rank@0",
     "lifecycle-call-fails@1",
     "cannot-serve-on-one-rank@1",
@@ -386,6 +387,18 @@ def test_memory_moved_on_one_rank_makes_every_rank_recapture_after_the_lifecycle
     facts = two["moved-on-one-rank@1"]
     assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
     assert [f["captured_again"] for f in facts] == [3, 3]  # rank 0 too: nothing moved there
+    assert all(f["equals_eager"] and f["replayed"] == 1 for f in facts), facts
+
+
+def test_every_rank_captures_rank_zeros_fit_to_its_own_traffic(two):
+    """FD_CUDAGRAPH_FIT: rank 0 served 1-token steps, rank 1 2-token ones; both capture rank 0's
+    list, the runner's loop list is FastDeploy's again after, and a 4-token step replays."""
+    facts = two["fit-rank-zero-decides"]
+    assert [f["outcome"] for f in facts] == ["ok", "ok"], facts
+    assert [f["captured"] for f in facts] == [[4, 1], [4, 1]], facts
+    assert [f["graphs"] for f in facts] == [2, 2]
+    assert "this rank's steps fit [4, 2]" in facts[1]["fit"] and "2 of" in facts[0]["fit"]
+    assert all(f["loop"] == [1, 2, 4] for f in facts), facts
     assert all(f["equals_eager"] and f["replayed"] == 1 for f in facts), facts
 
 

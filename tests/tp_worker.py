@@ -477,6 +477,35 @@ def _served(runner: Any, backend: Any) -> dict[str, Any]:
     }
 
 
+@scenario("fit-rank-zero-decides")
+def fit_rank_zero_decides(rank: Rank) -> dict[str, Any]:
+    """FD_CUDAGRAPH_FIT=graphs:2: each rank serves other steps (rank 0 one token, the others
+    two), so each fits another list; at the wake-up's recapture every rank captures rank 0's."""
+    from fd_cudagraph_plugin.core import process
+
+    os.environ["FD_CUDAGRAPH_FIT"] = "graphs:2"
+    process.current().forget_options()
+    try:
+        runner, worker, backend = _serving(rank)
+        # Each graph's first replay after start-up is a point every rank meets: the same steps.
+        runner.execute_step(1)
+        runner.execute_step(2)
+        for _ in range(300):
+            runner.execute_step(1 if rank.index == 0 else 2)
+        worker.sleep(tags="kv_cache")  # the plugin releases the graphs; wakeup captures again
+        worker.wakeup(tags="kv_cache")
+        return {
+            "captured": sorted(backend.table.decode, reverse=True),
+            "graphs": backend.capture_report.graphs,
+            "fit": backend.capture_report.fit,
+            "loop": list(runner.cudagraph_capture_sizes),
+            **_served(runner, backend),
+        }
+    finally:
+        del os.environ["FD_CUDAGRAPH_FIT"]
+        process.current().forget_options()
+
+
 @scenario("moved-on-one-rank")
 def moved_on_one_rank(rank: Rank) -> dict[str, Any]:
     """An rsync weight update moves nothing, but on the faulty rank rope_emb was re-made just
