@@ -9,7 +9,7 @@ does no CUDA work; Paddle is imported only when the backend is first used.
 
 from __future__ import annotations
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 __all__ = ["CudaGraphBackend", "register", "__version__"]
 
 
