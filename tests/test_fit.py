@@ -281,3 +281,30 @@ def test_a_start_fits_to_the_same_plans_recorded_traffic_and_never_to_another_pl
     runner, target = _runner(32)
     backend = backend_of(target)
     assert backend.capture_report.graphs == len(backend.settings.capture_sizes)
+
+
+def test_a_rank_that_cannot_take_rank_zeros_fit_fails_the_session(monkeypatch, sim):
+    """Rank 0's list is not FastDeploy's sizes here (a peer's bytes are untrusted): the session
+    fails with RankMismatchError before any capture, as a plan mismatch does."""
+    import copy
+
+    from conftest import PeerLink, TinyBackbone, make_config
+
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.errors import RankMismatchError
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:2")
+    config = make_config(8, cudagraph_capture_sizes=[8, 4, 2, 1])
+    model = TinyBackbone()
+    CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+
+    def rank_zero(rank, label, status):
+        if rank == 0 and label == "plan":
+            status = copy.deepcopy(status)
+            status["payload"]["fitted"] = [8, 5]
+        return status
+
+    session = CaptureSession("decode", fd_config=config, link=PeerLink(1, 2, rank_zero))
+    with pytest.raises(RankMismatchError, match=r"rank 0 fitted the decode sizes \[8, 5\]"):
+        session.__enter__()
