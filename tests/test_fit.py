@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 from collections import Counter
 
@@ -307,4 +308,76 @@ def test_a_rank_that_cannot_take_rank_zeros_fit_fails_the_session(monkeypatch, s
 
     session = CaptureSession("decode", fd_config=config, link=PeerLink(1, 2, rank_zero))
     with pytest.raises(RankMismatchError, match=r"rank 0 fitted the decode sizes \[8, 5\]"):
+        session.__enter__()
+
+
+@pytest.mark.parametrize("fd_version", ["develop"], indirect=True)
+def test_backends_built_inside_the_capture_loop_take_no_fit_halfway(
+    fd_version, monkeypatch, sim, tmp_path
+):
+    """Without a profile run the backends are built in FastDeploy's loop, after it began to walk
+    its list: the plan is agreed there without a fit, and every size is captured and serves."""
+    from conftest import DecoratedMixing, make_config
+    from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+    from fd_cudagraph_plugin import plugin
+
+    monkeypatch.setenv("FD_CUDAGRAPH_FIT", "graphs:3")
+    monkeypatch.setenv("FD_CUDAGRAPH_STATS_FILE", str(tmp_path / "stats.jsonl"))
+    plugin.register()
+    runner, target = _runner()
+    _served(runner, target, {3: 200, 5: 100, 17: 50, 40: 10})
+    backend_of(target).flush_stats()
+    process.reset_for_tests()  # a start with a record of the same plan, and no profile run
+    config = make_config(64, dynamic_load_weight=True)
+    target = DecoratedMixing(fd_config=config)
+    runner = GPUModelRunner(config, target)
+    runner.update_share_input_block_num(num_gpu_blocks=4)
+    runner.capture_model()
+    backend = backend_of(target)
+    backend.check_capture_successful()
+    assert sorted(backend.table.decode, reverse=True) == DEFAULT
+    assert backend.capture_report.graphs == len(DEFAULT)
+
+
+def test_a_stats_file_that_is_a_fifo_or_holds_a_deep_line_is_no_traffic(sim, tmp_path):
+    from conftest import make_config
+
+    from fd_cudagraph_plugin.core.observability import recorded_traffic
+    from fd_cudagraph_plugin.core.settings import Settings
+
+    settings = Settings.from_fd_config(make_config(64), process.current().options)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert recorded_traffic(str(fifo), settings, "target") == {}  # never blocks on a reader
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "\n")
+    assert recorded_traffic(str(deep), settings, "target") == {}
+
+
+def test_ranks_with_the_option_set_differently_plan_differently(monkeypatch, sim):
+    """Whether a session fits is part of the plan the ranks compare: a rank with the option off
+    never takes rank 0's fit silently (its loop would walk another list)."""
+    import copy
+
+    from conftest import PeerLink, TinyBackbone, make_config
+
+    from fd_cudagraph_plugin.core.backend import CudaGraphBackend
+    from fd_cudagraph_plugin.core.errors import RankMismatchError
+    from fd_cudagraph_plugin.core.session import CaptureSession
+
+    config = make_config(8, cudagraph_capture_sizes=[8, 4, 2, 1])
+    model = TinyBackbone()
+    CudaGraphBackend(fd_config=config, dy_runnable=model.forward, runnable=model.forward)
+
+    def rank_zero(rank, label, status):
+        if rank == 0 and label == "plan":
+            status = copy.deepcopy(status)
+            if "fit" in status["payload"]["plan"]:  # rank 0 runs with the option set
+                status["payload"]["plan"]["fit"] = "graphs:2"
+            status["payload"]["fitted"] = [8, 2]
+        return status
+
+    session = CaptureSession("decode", fd_config=config, link=PeerLink(1, 2, rank_zero))
+    with pytest.raises(RankMismatchError, match="fit"):
         session.__enter__()

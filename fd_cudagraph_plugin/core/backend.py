@@ -228,11 +228,12 @@ class CudaGraphBackend:
             return {}
         return observability.recorded_traffic(self._stats_file.path, self.settings, self.role)
 
-    def adopt_sizes(self, sizes: tuple[int, ...]) -> None:
+    def adopt_sizes(self, sizes: tuple[int, ...] | None) -> None:
         """Capture and serve only ``sizes`` of its decode sizes (a fit to traffic) until its
-        graphs are released: a step pads to the next size kept."""
-        self.rebuild(self.settings.mode.fitted(sizes))
-        self.capturer.plan = tuple(sorted(sizes, reverse=True))
+        graphs are released: a step pads to the next size kept. None: all of them."""
+        mode = self.settings.mode.fitted(sizes) if sizes else self.settings.mode
+        if mode != self.mode:
+            self.rebuild(mode)
 
     # ------------------------------------------------------------------ what the lifecycle asks
 
@@ -259,7 +260,6 @@ class CudaGraphBackend:
         entries = self.table.all()
         captured = sum(1 for e in entries if e.captured)
         self.rebuild(self.settings.mode)  # static full decides again at the next capture
-        self.capturer.plan = tuple(self.settings.capture_sizes)
         for entry in entries:
             entry.release()
         self.capturer.reset()

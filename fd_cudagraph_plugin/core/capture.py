@@ -121,8 +121,6 @@ class Capturer:
         #: The pool this backend captures into; taken at its first capture, given back on clear.
         self.pool: object | None = None
         self.captures = 0
-        #: The decode sizes captured in order: FastDeploy's list, or a fit to traffic's.
-        self.plan = tuple(settings.capture_sizes)
         self._next = 0
         self._dot_unsupported_logged = False
 
@@ -247,7 +245,7 @@ class Capturer:
 
         def warm_up() -> None:
             if key.phase == DECODE and ordered:
-                self._check_order(key.size)
+                self._check_order(owner.mode.decode_sizes, key.size)
             if self.pool is None and not key.static and self.pool_policy == "instance":
                 self.pool = self.runtime.new_pool()
             for _ in range(warmups):
@@ -301,12 +299,11 @@ class Capturer:
             self._dump_dot(owner, captured)
         return captured
 
-    def _check_order(self, size: int) -> None:
+    def _check_order(self, plan: tuple[int, ...], size: int) -> None:
         """Every TP rank must capture the same sizes in the same order: each graph's buffer
         registration is a collective whose lists the ranks match by position."""
         if seam.is_xpu():
             return  # FastDeploy does not check it there either
-        plan = self.plan
         if self._next >= len(plan):
             raise CaptureOrderError(
                 f"CUDA graph capture of size {size} after all {len(plan)} planned captures "

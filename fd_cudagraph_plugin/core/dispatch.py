@@ -21,6 +21,7 @@ size, so another thread may read them while serving goes on; the Counters are re
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,9 @@ class Counts:
         #: What earlier modes' tables counted (``remode``): per-size sums, and steps per key.
         self._folded: tuple[Counter[int], ...] = tuple(Counter() for _ in range(5))
         self._keys_before: Counter[int] = Counter()
+        #: A reader on another thread (the stats reporter) never sees steps both folded and
+        #: still in the lists; serving itself takes no lock (it runs on the thread that remodes).
+        self._folding = threading.Lock()
 
     def remode(self, mode: Mode) -> None:
         """Count under ``mode`` from now on: a fit to traffic pads keys to other sizes, so the
@@ -67,26 +71,29 @@ class Counts:
         if mode.key_table == self.mode.key_table and mode.decode_table == self.mode.decode_table:
             self.mode = mode
             return
-        for total, part in zip(self._folded, self._per_size(), strict=True):
-            total.update(part)
-        self._keys_before.update({key: n for key, n in enumerate(list(self.steps)) if n})
-        for counts in (self.steps, self.tokens, self.by_tokens, self.prefill_steps):
-            counts[:] = [0] * len(counts)
-        self.mode = mode
+        with self._folding:
+            for total, part in zip(self._folded, self._per_size(), strict=True):
+                total.update(part)
+            self._keys_before.update({key: n for key, n in enumerate(list(self.steps)) if n})
+            for counts in (self.steps, self.tokens, self.by_tokens, self.prefill_steps):
+                counts[:] = [0] * len(counts)
+            self.mode = mode
 
     def observed(self) -> dict[int, int]:
         """Decode steps per key, however they were served, those above the largest graph
         (``above``) included: what ``fd-cudagraph tune`` reads."""
-        seen = Counter(dict(self.other_keys)) + Counter(dict(self.above)) + self._keys_before
-        seen.update({key: n for key, n in enumerate(list(self.steps)) if n})
+        with self._folding:
+            seen = Counter(dict(self.other_keys)) + Counter(dict(self.above)) + self._keys_before
+            seen.update({key: n for key, n in enumerate(list(self.steps)) if n})
         return dict(seen)
 
     def per_size(self) -> tuple[Counter[int], ...]:
         """Decode replays and padded tokens per size, the same for prefill, and the decode steps
         a fit to traffic padded past the size FastDeploy's list has for them, by that size."""
-        return tuple(
-            total + part for total, part in zip(self._folded, self._per_size(), strict=True)
-        )
+        with self._folding:
+            return tuple(
+                total + part for total, part in zip(self._folded, self._per_size(), strict=True)
+            )
 
     def _per_size(self) -> tuple[Counter[int], ...]:
         mode = self.mode

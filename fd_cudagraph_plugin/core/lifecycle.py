@@ -205,11 +205,14 @@ class Lifecycle:
         from fd_cudagraph_plugin.core.errors import CaptureError
 
         local = guards.moved_inputs(entry.addresses, kwargs)
-        backends = self._worker.backends()
-        index = backends.index(backend) if backend in backends else len(backends)
+        # Named by the backend's part in FastDeploy's model, not by its place among the live
+        # backends: an old model's backend may be collected on one rank and not yet on another.
+        role, backends = backend.role, self._worker.backends()
+        if role not in ("target", "draft") or [b.role for b in backends].count(role) > 1:
+            role += str(backends.index(backend) if backend in backends else len(backends))
         try:
             key = entry.key
-            name = f"b{index}.{key.phase}{key.size}{'.static' if key.static else ''}"
+            name = f"{role}.{key.phase}{key.size}{'.static' if key.static else ''}"
             points = outside_session(self._worker, backend.fd_config, self.scope(name))
             said = points.share("inputs in place", backend, entry.key, lambda: not local, bool)
         except CaptureError as error:

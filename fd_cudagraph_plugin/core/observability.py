@@ -270,20 +270,17 @@ def recorded_traffic(path: str, settings: Settings, role: str) -> dict[int, int]
     per key: the traffic a first capture fits to. Untrusted: a line that is not this plan's, or
     not well formed, costs only itself; an unreadable file is no traffic."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
-            handle.seek(max(0, size - MAX_RECORD_READ))
-            lines = handle.read(MAX_RECORD_READ).decode("utf-8", "replace").splitlines()
+        lines = outputs.read_file(path, MAX_RECORD_READ, tail=True).splitlines()
     except (OSError, ValueError):
         return {}
     plan = plan_digest(settings)
     field = "running_request_counts" if settings.mode.keyed_by_running else "decode_token_counts"
     top = max(settings.capture_sizes, default=0)
     traffic: Counter[int] = Counter()
-    for line in lines[1:] if size > MAX_RECORD_READ else lines:
+    for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(record, dict):
             continue

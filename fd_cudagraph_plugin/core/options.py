@@ -288,7 +288,8 @@ OPTIONS: tuple[Option, ...] = (
         "`off`, `graphs:N` or `padding:P`: at each recapture after a lifecycle call, capture the "
         "subset of FastDeploy's sizes that pads the decode steps served since the last capture "
         "least, with at most N graphs, or with the fewest graphs within P percent more padded "
-        "tokens than FastDeploy's list; its largest size always kept. Rank 0's traffic decides.",
+        "tokens than FastDeploy's list; its largest size always kept. At a start, the same from "
+        "what FD_CUDAGRAPH_STATS_FILE recorded of the same plan. Rank 0's traffic decides.",
         Budget.parse,
     ),
     Option(

@@ -96,20 +96,27 @@ def replace_file(path: str, text: str) -> None:
         raise
 
 
-def read_file(path: str, limit: int) -> str:
-    """At most ``limit`` bytes of the regular file ``path``; OSError when it is longer, not a
-    regular file, or unreadable."""
+def read_file(path: str, limit: int, *, tail: bool = False) -> str:
+    """At most ``limit`` bytes of the regular file ``path``; OSError when it is longer (with
+    ``tail``: its last ``limit`` bytes, from the first whole line), not a regular file, or
+    unreadable. Opened without blocking: a FIFO put there never holds the caller."""
     _refuse_special(path)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
             raise OSError(f"{path} is not a regular file")
+        cut = tail and status.st_size > limit
+        if cut:
+            os.lseek(descriptor, status.st_size - limit, os.SEEK_SET)
         data = os.read(descriptor, limit + 1)
     finally:
         os.close(descriptor)
-    if len(data) > limit:
+    if cut:
+        data = data[:limit].partition(b"\n")[2]
+    elif len(data) > limit:
         raise OSError(f"{path} is longer than {limit} bytes")
-    return data.decode("utf-8")
+    return data.decode("utf-8", "replace" if tail else "strict")
 
 
 def _refuse_special(path: str) -> None:

@@ -76,8 +76,9 @@ class SessionBackend(Registered, lifecycle.LifecycleBackend, Protocol):
     def recorded_traffic(self) -> dict[int, int]:
         """The decode steps its stats file recorded for this plan at earlier starts."""
 
-    def adopt_sizes(self, sizes: tuple[int, ...]) -> None:
-        """Capture and serve only ``sizes`` of its decode sizes until its graphs are released."""
+    def adopt_sizes(self, sizes: tuple[int, ...] | None) -> None:
+        """Capture and serve only ``sizes`` of its decode sizes until its graphs are released
+        (None: all of them)."""
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -392,7 +393,7 @@ class CaptureSession:
             self.process.session = self
             for backend in self.process.backends():
                 self.join(backend)
-            self.check_plan()
+            self.check_plan(fitting=True)
         except BaseException:
             self._close(failed=True)
             raise
@@ -427,9 +428,11 @@ class CaptureSession:
             return configured
         return min(configured, warmups.AFTER_FIRST_CAPTURE)
 
-    def check_plan(self) -> None:
+    def check_plan(self, fitting: bool = False) -> None:
         """Every TP rank must plan the same captures; compared before the first one. Each also
-        says what it has not warmed; every rank warms what any rank has not."""
+        says what it has not warmed; every rank warms what any rank has not. With ``fitting``
+        (the check at the session's start, before FastDeploy's loop walks its list), each also
+        proposes its fit to traffic, and every rank adopts rank 0's."""
         from fd_cudagraph_plugin import __version__
 
         self._plan_checked = bool(self.members)
@@ -438,16 +441,22 @@ class CaptureSession:
             "phase": self.phase,
             "pool": self.options.pool,
             "self_check": self.options.self_check,
+            "fit": str(self.options.fit or "off"),
             "custom_allreduce": seam.custom_allreduce() is not None,
             "backends": len(self.members),
             **backends_plan(self.members),
         }
-        unwarmed = [m.warmed.missing(e.key for e in m.expected()) for m in self.members]
-        fitted = self._fit()
-        mine = PlanPayload(
-            plan=plan, unwarmed=unwarmed, fitted=list(fitted.sizes) if fitted else []
-        )
-        everyone = self.agreement.share("plan", None, None, lambda: mine, PlanPayload)
+        fittable = self._fittable() if fitting else []
+        proposal: list[fit.Fitted | None] = [None]
+
+        def mine() -> PlanPayload:
+            # In the point's step: a fit that fails is this rank's failure, posted to the others.
+            proposal[0] = self._fit(fittable)
+            unwarmed = [m.warmed.missing(e.key for e in m.expected()) for m in self.members]
+            sizes = list(proposal[0].sizes) if proposal[0] else []
+            return PlanPayload(plan=plan, unwarmed=unwarmed, fitted=sizes)
+
+        everyone = self.agreement.share("plan", None, None, mine, PlanPayload)
         diff = plan_diff([e.plan for e in everyone])
         if diff:
             raise self.agreement.stop(
@@ -461,31 +470,33 @@ class CaptureSession:
                 )
             )
         self._to_warm = warmups.agreed([e.unwarmed for e in everyone], len(self.members))
-        if everyone[0].fitted:
-            self._adopt(tuple(everyone[0].fitted), fitted)
+        if fitting:
+            self._adopt(fittable, tuple(sorted(set(everyone[0].fitted), reverse=True)), proposal[0])
 
     def _fittable(self) -> list[SessionBackend]:
-        """The members a fit to traffic applies to: a recapture of plain decode graphs, none
-        held (a fit changes which sizes exist)."""
+        """The members a fit to traffic applies to: plain decode graphs, none held (a fit
+        changes which sizes exist), all with one largest size."""
         if self.options.fit is None or self.phase != DECODE or not self.ordered or self.purpose:
             return []
         members = [m for m in self.members if m.settings.mode.fittable]
         if not members or any(m.has_graphs() for m in members):
             return []
+        if len({max(m.settings.capture_sizes) for m in members}) > 1:
+            return []
         return members
 
-    def _fit(self) -> fit.Fitted | None:
-        """This rank's proposal: the target's traffic since its last capture, fitted."""
-        members = self._fittable()
+    def _fit(self, members: list[SessionBackend]) -> fit.Fitted | None:
+        """This rank's proposal: the target's traffic since its last capture (at a start, what
+        its stats file recorded of the same plan), fitted over the sizes every member has."""
         if not members:
             return None
         target = next((m for m in members if m.role == "target"), members[0])
         settings = target.settings
         unit = settings.num_speculative_tokens + 1 if settings.mode.keyed_by_running else 1
-        # Under speculative decoding keys are running requests: a size holds size // unit.
-        by_capacity = {}
-        for size in sorted(settings.capture_sizes, reverse=True):
-            by_capacity[size // unit] = size
+        common = set.intersection(*(set(m.settings.capture_sizes) for m in members))
+        # Under speculative decoding keys are running requests: a size holds size // unit; of
+        # sizes that hold as many, the largest stands for them, so the largest is always kept.
+        by_capacity = {size // unit: size for size in sorted(common)}
         traffic = target.traffic_since_capture()
         if target.capture_report is None and sum(traffic.values()) < fit.MIN_STEPS:
             traffic = target.recorded_traffic()  # a start: the same plan's earlier traffic
@@ -496,25 +507,30 @@ class CaptureSession:
         sizes = tuple(sorted((by_capacity[c] for c in result.sizes), reverse=True))
         return dataclasses.replace(result, sizes=sizes)
 
-    def _adopt(self, sizes: tuple[int, ...], mine: fit.Fitted | None) -> None:
-        """Every rank captures rank 0's fitted list; one that cannot (not FastDeploy's sizes
-        here, its largest missing) fails the session on every rank, as a plan mismatch does."""
-        members = self._fittable()
-        for member in members:
+    def _adopt(
+        self, members: list[SessionBackend], sizes: tuple[int, ...], mine: fit.Fitted | None
+    ) -> None:
+        """Every rank captures rank 0's fitted list (none: FastDeploy's); one that cannot (no
+        member a fit applies to, not its sizes here, its largest missing) fails the session on
+        every rank, as a plan mismatch does."""
+        for member in members if sizes else []:
             own = member.settings.capture_sizes
             if not set(sizes) <= set(own) or max(own) not in sizes:
-                raise self.agreement.stop(
-                    RankMismatchError(
-                        f"rank 0 fitted the decode sizes {list(sizes)} to its traffic, which are "
-                        f"not a subset of this rank's {list(own)} with its largest; start every "
-                        "rank with the same settings and FD_CUDAGRAPH_* variables.",
-                        stage="plan",
-                    )
+                members = []
+        if sizes and not members:
+            raise self.agreement.stop(
+                RankMismatchError(
+                    f"rank 0 fitted the decode sizes {list(sizes)} to its traffic, which this "
+                    "rank cannot capture (no backend a fit applies to holds them with its "
+                    "largest size); start every rank with the same settings and FD_CUDAGRAPH_* "
+                    "variables.",
+                    stage="plan",
                 )
-        if not members:
-            return
+            )
         for member in members:
-            member.adopt_sizes(sizes)
+            member.adopt_sizes(sizes or None)  # none: FastDeploy's list, whatever came before
+        if not sizes:
+            return
         self.fitted_sizes = self.report.fit_sizes = sizes
         default = members[0].settings.capture_sizes
         if mine is not None and mine.sizes == sizes:
