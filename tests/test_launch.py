@@ -93,25 +93,27 @@ def test_a_value_fastdeploys_parser_refuses_is_refused_with_its_words(capsys):
 
 @pytest.mark.parametrize("flag", sorted(launch.REMOVED))
 def test_a_removed_flag_names_fastdeploys_spelling_and_that_spelling_plans(flag, capsys):
-    value = {"--capture-sizes": "1,2,64", "--capture-sizes-prefill": "4,16"}.get(flag, "2")
+    value = {"--capture-sizes": "1,2,64", "--capture-sizes-prefill": "4,16", "--spec-method": "mtp"}
+    line = [flag, value.get(flag, "2")]
+    if flag.endswith("draft-model-use-cudagraph") or flag == "--num-speculative-tokens":
+        line += ["--spec-method", "mtp"]  # what only MTP reads comes with it, as before
     argv = ["tune", "-"] if flag == "--num-speculative-tokens" else ["plan"]
-    assert main([*argv, flag, value]) == 2
+    assert main([*argv, *line]) == 2
     err = capsys.readouterr().err
-    said = launch.replacement(flag, value)
-    assert f"{flag} is gone" in err and f"Give {said} instead." in err
+    said = launch.replacement(line)
+    assert f"{flag}" in err.split(" gone")[0] and f"Give {said} instead." in err
+    # The spelling as printed, whole: one object per FastDeploy flag, every value in it.
     replacement = shlex.split(said.split(" with ")[0])
     if flag == "--sequence-parallel-moe":
         replacement += ["--tensor-parallel-size", "2"]
-    if flag.endswith("draft-model-use-cudagraph") or flag == "--num-speculative-tokens":
-        replacement += ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
-    if flag == "--spec-method":
-        replacement = ["--speculative-config", '{"method": "mtp"}']
     assert main(["plan", "--max-num-seqs", "64", *replacement, "--json"]) == 0, (
         capsys.readouterr().err
     )
     planned = json.loads(capsys.readouterr().out)
     if flag == "--capture-sizes":  # the user's own sizes carried over
         assert planned["cudagraph_capture_sizes"] == [64, 2, 1]
+    if flag == "--num-speculative-tokens":  # both removed flags in one object
+        assert planned["settings"]["num_speculative_tokens"] == 2
 
 
 def test_a_yaml_config_is_refused_since_the_tools_do_not_read_it(capsys):
@@ -231,3 +233,23 @@ def test_graphs_off_in_the_mixed_role_do_not_blame_the_prefill_role(no_fastdeplo
     assert "use_cudagraph is false" in out and "splitwise_role prefill" not in out
     assert main(["plan", "--splitwise-role", "prefill"]) == 0
     assert "splitwise_role prefill sets use_cudagraph" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["²", "٣", "0000000000000000008"])
+def test_digits_are_read_as_an_operator_types_them(value, capsys):
+    """ASCII digits only (``int()`` refuses a superscript two that ``str.isdigit`` takes), and
+    leading zeros do not count toward the bound, as FastDeploy's ``type=int`` reads them."""
+    code = main(["plan", "--max-num-seqs", value, "--fastdeploy-version", "2.6"])
+    if value.isascii():
+        assert code == 0 and "max_num_seqs=8," in capsys.readouterr().out
+    else:
+        assert code == 2 and "--max-num-seqs must be an integer" in capsys.readouterr().err
+
+
+def test_an_abbreviated_flag_is_read_as_fastdeploy_reads_it_or_refused(capsys):
+    # The stand-in FastDeploy's parser takes abbreviations, as argparse does: so does the plan.
+    assert main(["plan", "--max-num-seq", "64"]) == 0
+    assert "max_num_seqs=64," in capsys.readouterr().out
+    # The small parser cannot know what FastDeploy's would make of it: refused, not dropped.
+    assert main(["plan", "--max-num-seq", "64", "--fastdeploy-version", "2.6"]) == 2
+    assert "--max-num-seq is an abbreviation" in capsys.readouterr().err

@@ -525,7 +525,8 @@ def test_settings_fastdeploy_would_ignore_or_refuse_exit_2_naming_the_flag(argv,
     ],
 )
 def test_a_negative_value_is_checked_as_a_value_not_taken_for_an_option(argv, message, capsys):
-    """``--capture-sizes -1,2`` used to say "expected one argument"."""
+    """A negative value (``--max-num-seqs -5``) is checked as a value: argparse once said
+    "expected one argument"."""
     try:
         code = main(argv)
     except SystemExit as exit_info:  # demo's own option: argparse's usage error

@@ -38,24 +38,13 @@ from fd_cudagraph_plugin.tools.demo import (
     DEMO_MAX_STEPS,
     DEMO_SIZE_BOUND,
 )
+from fd_cudagraph_plugin.tools.wording import as_integer as _as_integer
 from fd_cudagraph_plugin.tools.wording import shown
 
 DESCRIPTION = (
     "fd-cudagraph (also python -m fd_cudagraph_plugin): plan, tune and check the CUDA-graph "
     "backend that fd-cudagraph-plugin puts into FastDeploy."
 )
-_WHOLE = re.compile(r"[+-]?[0-9]+")
-
-
-def _as_integer(text: str) -> float | None:
-    """The integer ``text`` holds, or None; one of more than 18 digits, which is above every
-    bound here, is read as infinite rather than handed to ``int()`` (which refuses 4301 digits)."""
-    word = text.strip()
-    if not _WHOLE.fullmatch(word):
-        return None
-    if len(word.lstrip("+-").lstrip("0")) > 18:
-        return float("-inf") if word.startswith("-") else float("inf")
-    return int(word)
 
 
 class Integer:
@@ -298,7 +287,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser with three changes: a value that begins with a minus and a digit
-    (``--capture-sizes -1,2``) is a value to check, not an option; a usage error is one line; and
+    (``--max-size -1``) is a value to check, not an option; a usage error is one line; and
     --help and --version fail when standard output cannot be written (argparse swallows the
     OSError of that write and exits 0)."""
 

@@ -24,7 +24,7 @@ import io
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -44,7 +44,7 @@ from fd_cudagraph_plugin.tools.installed import (
     release_rules,
 )
 from fd_cudagraph_plugin.tools.traces import TOKEN_LIMIT
-from fd_cudagraph_plugin.tools.wording import shown
+from fd_cudagraph_plugin.tools.wording import as_integer, shown
 
 #: Longest JSON value taken: a capture list of 1024 sizes of 10 digits each fits with room.
 MAX_JSON = 64 << 10
@@ -154,24 +154,34 @@ REMOVED: dict[str, tuple[str, str, Any]] = {
 _EXAMPLES = {"sizes": [1, 2, 4, 8], "int": 1, "str": "mtp"}
 
 
-def replacement(flag: str, value: str | None) -> str:
-    """FastDeploy's spelling of a removed flag, with the value given where it reads as one."""
-    where, key, kind = REMOVED[flag]
-    if not key:
-        return (
-            f"{where} with --tensor-parallel-size above 1 (FastDeploy turns sequence-parallel "
-            "MoE on there)"
-        )
-    words = (value or "").split(",")
-    if kind == "sizes" and all(w.strip().isdigit() and len(w.strip()) <= 10 for w in words):
-        item: Any = [int(w) for w in words]
-    elif kind == "int" and value is not None and value.strip().isdigit() and len(value) <= 10:
-        item = int(value)
-    elif kind == "str" and value in SPEC_METHODS:
-        item = value
-    else:
-        item = _EXAMPLES.get(kind, kind) if isinstance(kind, str) else kind
-    return f"{where} '{json.dumps({key: item})}'"
+def replacement(tokens: list[str]) -> str:
+    """FastDeploy's spelling of every removed flag in ``tokens``, one JSON object per FastDeploy
+    flag, with the values given where they read as values."""
+    objects: dict[str, dict[str, Any]] = {GRAPH: {}, SPECULATIVE: {}}
+    words = []
+    for index, token in enumerate(tokens):
+        flag, _, attached = token.partition("=")
+        if flag not in REMOVED:
+            continue
+        where, key, kind = REMOVED[flag]
+        if not key:
+            words.append(
+                f"{where} with --tensor-parallel-size above 1 (FastDeploy turns "
+                "sequence-parallel MoE on there)"
+            )
+            continue
+        value = attached or (tokens[index + 1] if index + 1 < len(tokens) else "")
+        item: Any = kind if not isinstance(kind, str) else _EXAMPLES[kind]
+        numbers = [as_integer(word) for word in value.split(",")]
+        if kind == "sizes" and all(isinstance(n, int) and 0 < n <= TOKEN_LIMIT for n in numbers):
+            item = numbers
+        elif kind == "int" and len(numbers) == 1 and isinstance(numbers[0], int):
+            item = numbers[0] if 0 <= numbers[0] <= TOKEN_LIMIT else item
+        elif kind == "str" and value in SPEC_METHODS:
+            item = value
+        objects[where][key] = item
+    words += [f"{flag} '{json.dumps(value)}'" for flag, value in objects.items() if value]
+    return " ".join(words)
 
 
 #: FlexibleArgumentParser's own: a YAML file of settings, which the tools do not read.
@@ -233,15 +243,17 @@ def read(
     """The launch line ``tokens`` as one ``PlanInput``: read by the installed FastDeploy's parser
     where it is the release ``version`` names, else by the small parser here."""
     tokens = _without_head(list(tokens))
-    for index, token in enumerate(tokens):
-        flag, _, attached = token.partition("=")
-        if flag in REMOVED:
-            value = attached or (tokens[index + 1] if index + 1 < len(tokens) else None)
-            raise ConfigError(
-                f"{flag} is gone: the tools read FastDeploy's launch line and nothing else for "
-                f"what it names. Give {replacement(flag, value)} instead."
-            )
-        if flag == YAML_CONFIG:
+    removed = list(
+        dict.fromkeys(t.partition("=")[0] for t in tokens if t.partition("=")[0] in REMOVED)
+    )
+    if removed:
+        raise ConfigError(
+            f"{', '.join(removed)} {'are' if len(removed) > 1 else 'is'} gone: the tools read "
+            "FastDeploy's launch line and nothing else for what it names. Give "
+            f"{replacement(tokens)} instead."
+        )
+    for token in tokens:
+        if token.partition("=")[0] == YAML_CONFIG:
             raise ConfigError(
                 f"{YAML_CONFIG}: FastDeploy reads settings from that YAML file, which "
                 "fd-cudagraph does not read, so the plan could differ from what FastDeploy "
@@ -250,11 +262,10 @@ def read(
     installed = installed_fastdeploy() if use_fastdeploy else None
     release = release_rules(version, installed)
     if installed is not None and not installed.problem and installed.release == release.name:
-        values, read_by, notes = _read_with_fastdeploy(installed, tokens)
+        values, given, read_by, notes = _read_with_fastdeploy(installed, tokens)
     else:
-        values, notes = _read_here(tokens)
+        values, given, notes = _read_here(tokens)
         read_by = "the launch line read by fd-cudagraph's parser of the capture flags"
-    given = frozenset(_given(tokens))
     return _inputs(values, notes, given, version, read_by if tokens else "")
 
 
@@ -288,15 +299,46 @@ def _small_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _given(tokens: list[str]) -> set[str]:
+#: The destinations of the capture flags: what a launch line gave of them is what the tools read.
+CAPTURE_DESTS = (
+    *("max_num_seqs", "tensor_parallel_size", "data_parallel_size", "splitwise_role"),
+    *("enable_expert_parallel", "disable_sequence_parallel_moe", "dynamic_load_weight"),
+    *("swap_space", "graph_optimization_config", "speculative_config"),
+)
+_UNSET = object()
+
+
+def _parse(
+    parser: argparse.ArgumentParser, tokens: list[str]
+) -> tuple[dict[str, Any], frozenset[str], list[str]]:
+    """``parse_known_args`` with the capture flags' defaults kept apart: the values (defaults
+    where not given), which of the capture flags the line gave, however spelt (FastDeploy's
+    parser takes abbreviations), and the tokens left."""
+    dests = [d for d in CAPTURE_DESTS if any(a.dest == d for a in parser._actions)]
+    defaults = {dest: parser.get_default(dest) for dest in dests}
+    parser.set_defaults(**dict.fromkeys(dests, _UNSET))
+    namespace, rest = parser.parse_known_args(tokens)
+    values = vars(namespace)
+    given = frozenset(dest for dest in dests if values[dest] is not _UNSET)
+    values.update({dest: defaults[dest] for dest in dests if dest not in given})
+    return values, given, rest
+
+
+def _flags(rest: list[str]) -> list[str]:
+    return list(dict.fromkeys(t.split("=", 1)[0] for t in rest if t.startswith("-")))
+
+
+def _read_here(tokens: list[str]) -> tuple[dict[str, Any], frozenset[str], list[str]]:
     parser = _small_parser()
-    spelt = {s: a.dest for a in parser._actions for s in a.option_strings}
-    return {spelt[t.split("=", 1)[0]] for t in tokens if t.split("=", 1)[0] in spelt}
-
-
-def _read_here(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
-    namespace, rest = _small_parser().parse_known_args(tokens)
-    flags = list(dict.fromkeys(t.split("=", 1)[0] for t in rest if t.startswith("-")))
+    values, given, rest = _parse(parser, tokens)
+    flags = _flags(rest)
+    spelt = [s for a in parser._actions for s in a.option_strings]
+    short = [f for f in flags if f.startswith("--") and any(s.startswith(f) for s in spelt)]
+    if short:
+        raise ConfigError(
+            f"{short[0]} is an abbreviation, which FastDeploy's parser may read as one of "
+            f"{', '.join(s for s in spelt if s.startswith(short[0]))}: spell the flag whole."
+        )
     notes = []
     if flags:
         notes.append(
@@ -309,12 +351,12 @@ def _read_here(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
             f"{shown(stray[0])} is no flag of FastDeploy's launch line; give flags such as "
             "--max-num-seqs 64."
         )
-    return vars(namespace), notes
+    return values, given, notes
 
 
 def _read_with_fastdeploy(
     installed: InstalledFastDeploy, tokens: list[str]
-) -> tuple[dict[str, Any], str, list[str]]:
+) -> tuple[dict[str, Any], frozenset[str], str, list[str]]:
     """FastDeploy's own parser on the line: its API server's where that imports here (a flag it
     leaves is one FastDeploy refuses at launch), else ``EngineArgs.add_cli_args`` (whose leftovers
     may be the server's own flags, such as ``--port``: named, not refused)."""
@@ -332,7 +374,7 @@ def _read_with_fastdeploy(
         said = io.StringIO()
         try:
             with contextlib.redirect_stderr(said):
-                namespace, rest = parser.parse_known_args(tokens)
+                values, given, rest = _parse(parser, tokens)
         except SystemExit:
             lines = said.getvalue().strip().splitlines()
             raise ConfigError(
@@ -347,13 +389,13 @@ def _read_with_fastdeploy(
             "pass the --fastdeploy-version of the FastDeploy that serves."
         )
     notes = []
-    flags = list(dict.fromkeys(t.split("=", 1)[0] for t in rest if t.startswith("-")))
+    flags = _flags(rest)
     if flags:
         notes.append(
             f"{', '.join(flags)}: not flags of EngineArgs; the API server's own parser could not "
             "be built here to check them (they change nothing captured)."
         )
-    return vars(namespace), read_by, notes
+    return values, given, read_by, notes
 
 
 # ------------------------------------------------------------------ the values, checked
@@ -372,9 +414,7 @@ def _integer(flag: str, value: Any, low: int, high: int, *, text: bool = True) -
     if isinstance(value, _Digits):
         number = None
     elif isinstance(value, str) and text:
-        word = value.strip()
-        digits = word.lstrip("+-")
-        number = int(word) if digits.isdigit() and len(digits) <= 18 else None
+        number = as_integer(value)  # infinite past 18 digits: out of every bound here
     if isinstance(number, bool) or not isinstance(number, int) or not low <= number <= high:
         raise ConfigError(f"{flag} must be an integer in {low}..{high}; got {shown(value)}.")
     return number
@@ -435,15 +475,29 @@ def _sizes(flag: str, key: str, value: Any) -> tuple[int, ...]:
     )
 
 
-def _graph(settings: dict[str, Any], value: Any, notes: list[str]) -> None:
+def _known_items(
+    flag: str, value: Any, keys: Mapping[str, str | None], notes: list[str]
+) -> Iterator[tuple[str, str, Any]]:
+    """``(key, PlanInput field, value)`` of each key of the JSON object that changes what is
+    captured; a key FastDeploy's config lacks is refused, the others named once in a note."""
     ignored = []
-    for key, item in _object(GRAPH, value).items():
-        if key not in GRAPH_KEYS:
-            raise _unknown(GRAPH, key, GRAPH_KEYS)
-        name = GRAPH_KEYS[key]
+    for key, item in _object(flag, value).items():
+        if key not in keys:
+            raise _unknown(flag, key, keys)
+        name = keys[key]
         if name is None:
             ignored.append(key)
-        elif name in ("capture_sizes", "capture_sizes_prefill"):
+        else:
+            yield key, name, item
+    if ignored:
+        notes.append(
+            f"{flag}: {', '.join(ignored)} change nothing FastDeploy captures; not shown here."
+        )
+
+
+def _graph(settings: dict[str, Any], value: Any, notes: list[str]) -> None:
+    for key, name, item in _known_items(GRAPH, value, GRAPH_KEYS, notes):
+        if name in ("capture_sizes", "capture_sizes_prefill"):
             settings[name] = _sizes(GRAPH, key, item)
         elif name == "graph_opt_level":
             settings[name] = _integer(f"{GRAPH}: {key}", item, 0, 2, text=False)
@@ -451,18 +505,11 @@ def _graph(settings: dict[str, Any], value: Any, notes: list[str]) -> None:
             settings[name] = _integer(f"{GRAPH}: {key}", item, 1, MAX_PREFILL_SHAPE, text=False)
         else:
             settings[name] = _bool(GRAPH, key, item)
-    _say_ignored(notes, GRAPH, ignored)
 
 
 def _speculative(settings: dict[str, Any], value: Any, notes: list[str]) -> None:
-    ignored = []
-    for key, item in _object(SPECULATIVE, value).items():
-        if key not in SPECULATIVE_KEYS:
-            raise _unknown(SPECULATIVE, key, SPECULATIVE_KEYS)
-        name = SPECULATIVE_KEYS[key]
-        if name is None:
-            ignored.append(key)
-        elif name == "spec_method":
+    for key, name, item in _known_items(SPECULATIVE, value, SPECULATIVE_KEYS, notes):
+        if name == "spec_method":
             if item is None:
                 continue  # FastDeploy's default: no speculative decoding
             method = METHOD_ALIASES.get(item, item) if isinstance(item, str) else item
@@ -478,14 +525,6 @@ def _speculative(settings: dict[str, Any], value: Any, notes: list[str]) -> None
             settings[name] = _integer(
                 f"{SPECULATIVE}: {key}", item, low, MAX_SPECULATIVE_TOKENS, text=False
             )
-    _say_ignored(notes, SPECULATIVE, ignored)
-
-
-def _say_ignored(notes: list[str], flag: str, ignored: list[str]) -> None:
-    if ignored:
-        notes.append(
-            f"{flag}: {', '.join(ignored)} change nothing FastDeploy captures; not shown here."
-        )
 
 
 def _swap_space(value: Any) -> float:

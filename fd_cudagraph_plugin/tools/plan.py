@@ -203,8 +203,8 @@ def _check_sizes(flag: str, sizes: tuple[int, ...] | None) -> list[int] | None:
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
     if not sizes or bad:
         raise ConfigError(
-            f"{flag} must be a non-empty list of positive integers; got {shown(list(sizes))}. "
-            f"Pass e.g. {flag} 1,2,4,8."
+            f"{flag} must be a non-empty list of positive integers; got {shown(list(sizes))}, "
+            "such as [1, 2, 4, 8]."
         )
     return list(sizes)
 
@@ -830,9 +830,7 @@ def _largest_warnings(
             f"for {s.method or 'plain decoding'}, so steps of {cap + 1}..{most} tokens run "
             f"eagerly whatever the list.{fix}".rstrip()
         ]
-    return [
-        f"{eager} Add a size that holds them, or tune this deployment's stats (fd-cudagraph tune)."
-    ]
+    return [f"{eager} Add a size that holds them."]
 
 
 def _describe_backend(

@@ -840,7 +840,7 @@ def _fit_lines(fit: FitResult, name: str, noun: str) -> list[str]:
     listing = ", ".join(map(str, fit.capture_sizes))
     if fit.kept_because:
         few = fit.steps < fitting.MIN_STEPS
-        lines = [
+        return [
             f"{head}: {whole}, unchanged ({fit.kept_because}"
             f"{': too little traffic to fit to' if few else ''}): {listing}"
         ]
@@ -854,16 +854,20 @@ def _fit_lines(fit: FitResult, name: str, noun: str) -> list[str]:
         else:
             change = f"the {name} list pads none"
         lines = [
-            f"{head}: {len(fit.capture_sizes)} of {whole}, its largest kept: {listing}",
+            f"{head}: {len(fit.capture_sizes)} of {whole}, its largest kept: {listing} (a fit "
+            "over the list this launch captures now, not over the tuned one)",
             f"padded tokens: fit {fit.padded_tokens} ({fit.padded_tokens / per_step:.3f} per "
             f"step), {name} {fit.baseline_padded_tokens} "
             f"({fit.baseline_padded_tokens / per_step:.3f} per step) on the same "
             f"{plural(fit.steps, 'step')} up to {plural(max(fit.candidates), noun)}, {change}",
         ]
+    if len(fit.capture_sizes) == len(fit.candidates):
+        return lines  # the option would capture what is captured now: nothing to set
     lines.append(
-        f"set: {fit.env} in the server's environment: each recapture after a lifecycle call then "
-        "captures the sizes fitted to the decode steps served since the capture before; the "
-        "first capture at start makes the whole list, or fits to what FD_CUDAGRAPH_STATS_FILE "
+        f"set: {fit.env} in the server's environment to capture "
+        f"{len(fit.capture_sizes)} graphs instead of {len(fit.candidates)} at each recapture "
+        f"after a lifecycle call, for {change} padded tokens on traffic like this; the first "
+        "capture at start makes the whole list, or fits to what FD_CUDAGRAPH_STATS_FILE "
         "recorded of the same plan at earlier starts"
     )
     return lines

@@ -11,7 +11,7 @@ import re
 
 from fd_cudagraph_plugin.core.errors import plural
 
-__all__ = ["LIMIT", "plural", "shown"]
+__all__ = ["LIMIT", "as_integer", "plural", "shown"]
 
 #: Longest value echoed whole.
 LIMIT = 24
@@ -32,3 +32,15 @@ def shown(value: object) -> str:
     if len(text) <= LIMIT:
         return quote(text)
     return f"{quote(text[:LIMIT])}... ({len(text)} characters)"
+
+
+def as_integer(text: str) -> float | None:
+    """The integer ``text`` holds in ASCII digits (as an operator types one), or None; one of
+    more than 18 digits, above every bound here, is read as infinite rather than handed to
+    ``int()`` (which refuses 4301 digits)."""
+    word = text.strip()
+    if not _NUMBER.fullmatch(word):
+        return None
+    if len(word.lstrip("+-").lstrip("0")) > 18:
+        return float("-inf") if word.startswith("-") else float("inf")
+    return int(word)
