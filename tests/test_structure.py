@@ -82,9 +82,9 @@ def test_the_package_is_pure_python():
 #: Raising one is a change of its own, with its reason in the commit: every feature deletes as it
 #: adds, or says why not. Lowering one after a clean-up keeps what the clean-up won.
 BUDGETS = {
-    "core": 7884,
+    "core": 7912,
     "core/ranks": 1340,
-    "tools": 5193,
+    "tools": 5235,
 }
 #: The largest module, whichever it is.
 LARGEST_MODULE = 980
